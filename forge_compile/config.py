@@ -1,0 +1,54 @@
+"""forge's settings: one dataclass, each field overridable as ``FORGE_<NAME>``.
+
+Example::
+
+    forge_compile.config.kernel = "torch"      # or FORGE_KERNEL=torch in the environment
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+_KERNELS = ("auto", "triton", "torch")
+
+
+@dataclass(kw_only=True)
+class ForgeConfig:
+    fuse: bool = True
+    """Rewrite linear weight updates into the fused op. False compiles exactly what
+    backend="inductor" would (the update still runs as Inductor pointwise kernels),
+    which is the A/B baseline for benchmarks and a switch for debugging."""
+
+    kernel: str = "auto"
+    """Implementation of the fused op: "auto" (Triton on CUDA, torch ops elsewhere),
+    "triton" (also on CPU under TRITON_INTERPRET=1, for tests), or "torch"."""
+
+    decision_cache: bool = True
+    """Keep each compiled graph's fusion decisions on disk beside Inductor's cache, so
+    that explain() reports them when Inductor serves the graph from its cache."""
+
+    def __setattr__(self, name, value):
+        if name not in {f.name for f in fields(self)}:
+            raise AttributeError(f"forge: unknown setting {name!r}; settings: {[f.name for f in fields(self)]}")
+        super().__setattr__(name, value)
+        if name == "kernel" and value not in _KERNELS:
+            raise ValueError(f"forge: config.kernel must be one of {_KERNELS}, got {value!r}")
+
+
+def _from_environment() -> ForgeConfig:
+    overrides = {}
+    for f in fields(ForgeConfig):
+        raw = os.environ.get(f"FORGE_{f.name.upper()}")
+        if raw is None:
+            continue
+        if f.type in ("bool", bool):
+            if raw.lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(f"forge: FORGE_{f.name.upper()}={raw!r} is not a boolean (use 0 or 1)")
+            overrides[f.name] = raw.lower() in ("1", "true", "yes", "on")
+        else:
+            overrides[f.name] = raw
+    return ForgeConfig(**overrides)
+
+
+config = _from_environment()

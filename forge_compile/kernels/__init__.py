@@ -1,0 +1,1 @@
+"""Triton kernels, one module per kernel family: a private @triton.jit kernel and its public launcher."""

@@ -1,0 +1,215 @@
+"""The fused weight-gradient GEMM with the optimizer rule in its epilogue.
+
+For a weight tile ``W[rm, rn]`` a program accumulates ``dW = A[rm, :] @ B[:, rn]``
+(``A = dY^T`` [out, T], ``B = X`` [T, in]) over the token dimension in fp32 registers,
+then loads the weight and state tiles, applies the rule (from forge_compile.rules, the
+same text as the CPU and Inductor paths) and stores them. dW is never written.
+
+Programs run in grouped order (GROUP_M row blocks share the B column panels in L2),
+and any strides are accepted, so the transposed views the graph hands over need no
+copies. Tuning launches the kernel many times on the real weight, so ``restore_value``
+puts the weight and states back after each trial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import rules
+
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _configs():
+    if _INTERPRETING:
+        # The interpreter runs every trial on the CPU: one small config keeps tests fast.
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=1)]
+    # Candidate tiles for Hopper: 128x128 for large weights, narrower tiles so that small
+    # weights still fill the 132 SMs, and 64-wide K steps to keep bf16 tiles in shared
+    # memory at 3-4 stages with the fp32 state tiles of the epilogue in registers.
+    shapes = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (128, 128, 32, 8, 4)]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        for m, n, k, w, s in shapes
+    ]
+
+
+def _autotune(**kwargs):
+    if "cache_results" in triton.autotune.__code__.co_varnames:
+        kwargs["cache_results"] = True
+    return triton.autotune(**kwargs)
+
+
+@_autotune(
+    configs=_configs(),
+    key=["M", "N", "K", "RULE_KEY"],
+    restore_value=["w_ptr", "s0_ptr", "s1_ptr", "s2_ptr"],
+)
+@triton.jit
+def _fused_linear_update_kernel(
+    w_ptr, a_ptr, b_ptr, s0_ptr, s1_ptr, s2_ptr,
+    step_ptr, h0_ptr, h1_ptr, h2_ptr, h3_ptr, h4_ptr, h5_ptr,
+    M, N, K,
+    stride_wm, stride_wn, stride_am, stride_ak, stride_bk, stride_bn,
+    stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
+    RULE_KEY: tl.constexpr,
+    COEFFICIENTS: tl.constexpr, ELEMENTWISE: tl.constexpr,
+    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
+    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    if INDEX_64:
+        rm = rm.to(tl.int64)
+        rn = rn.to(tl.int64)
+        rk = rk.to(tl.int64)
+    mask_m = rm < M
+    mask_n = rn < N
+
+    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_remaining = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & (rk[None, :] < k_remaining), other=0.0)
+        b = tl.load(b_ptrs, mask=(rk[:, None] < k_remaining) & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    # Per-step scalars, once per program, in fp64; the tile math is fp32.
+    c0, c1, c2, c3, c4, c5, c6, c7 = COEFFICIENTS(
+        tl.load(step_ptr).to(tl.float64),
+        tl.load(h0_ptr).to(tl.float64), tl.load(h1_ptr).to(tl.float64), tl.load(h2_ptr).to(tl.float64),
+        tl.load(h3_ptr).to(tl.float64), tl.load(h4_ptr).to(tl.float64), tl.load(h5_ptr).to(tl.float64),
+    )  # fmt: skip
+
+    mask = mask_m[:, None] & mask_n[None, :]
+    w_ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :] * stride_wn
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    s0_ptrs = s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n
+    s1_ptrs = s1_ptr + rm[:, None] * stride_s1m + rn[None, :] * stride_s1n
+    s2_ptrs = s2_ptr + rm[:, None] * stride_s2m + rn[None, :] * stride_s2n
+    s0 = w
+    s1 = w
+    s2 = w
+    if HAS_S0:
+        s0 = tl.load(s0_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_S1:
+        s1 = tl.load(s1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_S2:
+        s2 = tl.load(s2_ptrs, mask=mask, other=0.0).to(tl.float32)
+
+    w, s0, s1, s2 = ELEMENTWISE(
+        w, acc, s0, s1, s2,
+        c0.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32), c3.to(tl.float32),
+        c4.to(tl.float32), c5.to(tl.float32), c6.to(tl.float32), c7.to(tl.float32),
+        O0, O1, O2, O3,
+    )  # fmt: skip
+
+    tl.store(w_ptrs, w.to(w_ptr.dtype.element_ty), mask=mask)
+    if HAS_S0:
+        tl.store(s0_ptrs, s0.to(s0_ptr.dtype.element_ty), mask=mask)
+    if HAS_S1:
+        tl.store(s1_ptrs, s1.to(s1_ptr.dtype.element_ty), mask=mask)
+    if HAS_S2:
+        tl.store(s2_ptrs, s2.to(s2_ptr.dtype.element_ty), mask=mask)
+
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+
+
+@functools.cache
+def _rule_key(rule_name: str, options: tuple[int, ...]) -> str:
+    return f"{rule_name}{list(options)}"
+
+
+def fused_linear_update(
+    rule: rules.Rule,
+    weight: torch.Tensor,
+    grad_output_t: torch.Tensor,
+    input: torch.Tensor,
+    states: list[torch.Tensor],
+    step: torch.Tensor,
+    hyperparameters: list[torch.Tensor],
+    options: tuple[int, ...],
+) -> None:
+    """Launch the fused kernel: ``weight``/``states`` updated in place with ``grad_output_t @ input``.
+
+    Example::
+
+        fused_linear_update(rules.get("adam"), w, dy.t(), x, [m, v], step, [lr, b1, b2, eps, wd], (1, 0, 0, 1))
+    """
+    M, N = weight.shape
+    K = input.shape[0]
+    if grad_output_t.shape != (M, K) or input.shape != (K, N):
+        raise ValueError(
+            f"forge: kernel needs grad_output_t [{M}, T] and input [T, {N}], got "
+            f"{tuple(grad_output_t.shape)} and {tuple(input.shape)}"
+        )
+    for name, t in (("weight", weight), ("grad_output_t", grad_output_t), ("input", input), *(("state", s) for s in states)):
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"forge: the fused kernel takes fp32/bf16/fp16 tensors; {name} is {t.dtype}")
+        if t.device != weight.device:
+            raise ValueError(f"forge: {name} is on {t.device}, the weight on {weight.device}")
+    if weight.numel() == 0:
+        return
+    active = rule.active_states(options)
+    slots, given = [], iter(states)
+    for is_active in active:
+        slots.append(next(given) if is_active else weight)
+    slots += [weight] * (rules.MAX_STATES - len(slots))
+    has = list(active) + [False] * (rules.MAX_STATES - len(active))
+    scalars = [step, *hyperparameters] + [step] * (rules.MAX_HYPERPARAMETERS - len(hyperparameters))
+    opts = list(options) + [0] * (rules.MAX_OPTIONS - len(options))
+
+    fp32_operands = grad_output_t.dtype == torch.float32 or input.dtype == torch.float32
+    # fp32 operands: IEEE products as torch's fp32 matmul computes them, unless the user
+    # allowed TF32 for matmuls, as torch would then use it too.
+    dot_precision = "tf32" if fp32_operands and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    if grad_output_t.dtype != input.dtype:
+        common = torch.promote_types(grad_output_t.dtype, input.dtype)
+        grad_output_t, input = grad_output_t.to(common), input.to(common)
+    index_64 = max(_max_offset(t) for t in (weight, grad_output_t, input, *slots)) >= 2**31 - 1
+
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    with torch.cuda.device(weight.device) if weight.is_cuda else contextlib.nullcontext():
+        _fused_linear_update_kernel[grid](
+            weight, grad_output_t, input, *slots,
+            *scalars,
+            M, N, K,
+            weight.stride(0), weight.stride(1),
+            grad_output_t.stride(0), grad_output_t.stride(1),
+            input.stride(0), input.stride(1),
+            slots[0].stride(0), slots[0].stride(1), slots[1].stride(0), slots[1].stride(1),
+            slots[2].stride(0), slots[2].stride(1),
+            RULE_KEY=_rule_key(rule.name, options),
+            COEFFICIENTS=rule.triton_coefficients, ELEMENTWISE=rule.triton_elementwise,
+            HAS_S0=has[0], HAS_S1=has[1], HAS_S2=has[2],
+            O0=opts[0], O1=opts[1], O2=opts[2], O3=opts[3],
+            DOT_PRECISION=dot_precision, INDEX_64=index_64,
+        )  # fmt: skip
+

@@ -1,0 +1,1 @@
+"""Graph rewrites of the post-grad ATen graph, one module per rewrite."""
