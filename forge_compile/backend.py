@@ -1,0 +1,251 @@
+"""forge's torch.compile backend: the Dynamo graph goes to Inductor with forge's pass.
+
+``forge_backend(gm, example_inputs)`` calls ``torch._inductor.compile_fx.compile_fx`` with
+:class:`FuseLinearUpdatePass` installed as Inductor's ``post_grad_custom_pre_pass``; the
+pass rewrites the post-grad ATen graph that AOTAutograd builds from forward, backward
+and the optimizer's ops. Everything else is Inductor's: a graph with no forge updates
+compiles exactly as under ``backend="inductor"``.
+
+Around that call the backend keeps a :class:`forge_compile.explain.GraphRecord` per graph:
+
+* parameter names come from Dynamo's sources for the graph's inputs;
+* Inductor may serve a graph from its FX/AOT caches without running any pass, so the
+  pass also stores its decisions on disk under a key of the Dynamo graph, which the
+  backend reads back on such a hit (or, lacking them, compiles once without caches);
+* if the pass itself fails, the graph is compiled again with every update left to
+  Inductor, and a warning says so: slower, never wrong;
+* the returned callable tells ``explain()`` sessions that the graph ran.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+import logging
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from . import explain, ops  # noqa: F401  (ops registers torch.ops.forge.*)
+from .config import config
+from .passes.fuse_linear_update import decompose_update, fuse_linear_updates
+
+log = logging.getLogger(__name__)
+
+_graph_numbers = itertools.count()
+_UPDATE_TARGETS = (torch.ops.forge.optimizer_update.default, torch.ops.forge.optimizer_update)
+_PACKAGE = Path(__file__).parent
+
+
+@dataclass
+class _Compilation:
+    """What the pass needs to know about the graph being compiled."""
+
+    record: explain.GraphRecord
+    input_names: list[str]
+    key: str
+    fuse: bool
+    failed: BaseException | None = None
+
+
+_compilations: list[_Compilation] = []
+
+
+@functools.cache
+def _source_hash() -> str:
+    """Hash of the code that decides the rewrite: a change invalidates Inductor's cache."""
+    digest = hashlib.sha256()
+    for path in sorted([*_PACKAGE.glob("passes/*.py"), *_PACKAGE.glob("rules/*.py"), _PACKAGE / "ops.py"]):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class FuseLinearUpdatePass(CustomGraphPass):
+    """Inductor post-grad pass: fuse linear weight updates, decompose the rest."""
+
+    def __init__(self, fuse: bool = True):
+        self.fuse = fuse
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        compilation = _compilations[-1] if _compilations else None
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        names = compilation.input_names if compilation else []
+        by_node = dict(zip(placeholders, names)) if len(names) == len(placeholders) else {}
+        try:
+            decisions = fuse_linear_updates(graph, lambda node: by_node.get(node, node.name), fuse=self.fuse)
+        except Exception as error:  # noqa: BLE001 - any failure falls back to plain Inductor
+            if compilation is None:
+                raise
+            compilation.failed = error
+            raise
+        if compilation is None:
+            return
+        for d in decisions:
+            d.graph = compilation.record.graph
+        compilation.record.decisions.extend(decisions)
+        compilation.record.pass_ran = True
+        _store_decisions(compilation.key, compilation.record.decisions)
+
+    def uuid(self) -> str:
+        return f"forge-{_source_hash()}-fuse{int(self.fuse)}"
+
+
+class _DecomposeOnlyPass(CustomGraphPass):
+    """The fallback: every forge update becomes Inductor pointwise code, nothing is fused."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in [n for n in graph.nodes if n.target is torch.ops.forge.optimizer_update.default]:
+            decompose_update(graph, node)
+
+    def uuid(self) -> str:
+        return f"forge-decompose-{_source_hash()}"
+
+
+def forge_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """The ``torch.compile`` backend registered as ``"forge"``.
+
+    Example::
+
+        step = torch.compile(train_step, backend="forge")
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    record = explain.GraphRecord(
+        graph=next(_graph_numbers),
+        nodes=len(gm.graph.nodes),
+        break_reason=_break_reason(gm),
+        has_backward=any(n.target is torch.autograd.grad for n in gm.graph.nodes),
+    )
+    has_updates = any(n.target in _UPDATE_TARGETS for n in gm.graph.nodes)
+    compilation = _Compilation(record, _input_names(gm), _decision_key(gm, example_inputs), config.fuse)
+
+    def run(custom_pass, **patches):
+        _compilations.append(compilation)
+        try:
+            with torch._inductor.config.patch(post_grad_custom_pre_pass=custom_pass, **patches):
+                return compile_fx(gm, example_inputs, **kwargs)
+        finally:
+            _compilations.pop()
+
+    try:
+        compiled = run(FuseLinearUpdatePass(fuse=config.fuse))
+    except Exception as error:
+        if compilation.failed is None:
+            raise
+        record.fallback = f"{type(compilation.failed).__name__}: {compilation.failed}"
+        warnings.warn(
+            f"forge: the fusion pass failed on graph {record.graph} ({record.fallback}); compiled it without "
+            "fusion, every update runs as Inductor kernels. Please report this with the traceback above.",
+            stacklevel=2,
+        )
+        log.warning("forge: pass failed on graph %d", record.graph, exc_info=error)
+        record.decisions = []
+        compiled = run(_DecomposeOnlyPass(), fx_graph_cache=False)
+    if has_updates and not record.pass_ran and record.fallback is None:
+        cached = _load_decisions(compilation.key)
+        if cached is not None:
+            for d in cached:
+                d.graph = record.graph
+            record.decisions = cached
+            record.from_cache = True
+        else:
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                compiled = run(FuseLinearUpdatePass(fuse=config.fuse), fx_graph_cache=False)
+    for d in record.decisions:
+        log.info("forge: graph %d: %s %s", record.graph, d.name, "fused" if d.fused else f"not fused: {d.reason}")
+    return _RecordingCallable(compiled, record)
+
+
+class _RecordingCallable:
+    """The compiled graph, telling explain() sessions when it runs."""
+
+    def __init__(self, compiled, record: explain.GraphRecord):
+        self.compiled = compiled
+        self.record = record
+        if getattr(compiled, "_boxed_call", False):
+            self._boxed_call = True
+
+    def __call__(self, *args):
+        explain.graph_ran(self.record)
+        return self.compiled(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
+
+
+def _break_reason(gm: torch.fx.GraphModule) -> str | None:
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    return str(reason.reason)
+
+
+_SOURCE_TOKEN = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)")
+_SKIPPED_TOKENS = {"_modules", "_parameters", "_buffers"}
+
+
+def _input_names(gm: torch.fx.GraphModule) -> list[str]:
+    names = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        text = getattr(source, "name", None)
+        text = text() if callable(text) else text
+        names.append(_readable(text) if text else node.name)
+    return names
+
+
+def _readable(source_name: str) -> str:
+    """``L['model']._modules['0']._parameters['weight']`` -> ``model.0.weight``."""
+    tokens = [a or b or c for a, b, c in _SOURCE_TOKEN.findall(source_name)]
+    kept = [t for t in tokens if t not in _SKIPPED_TOKENS]
+    return ".".join(kept) if kept else source_name
+
+
+def _decision_key(gm: torch.fx.GraphModule, example_inputs) -> str:
+    digest = hashlib.sha256()
+    digest.update(f"{torch.__version__}|{_source_hash()}|fuse={config.fuse}|".encode())
+    digest.update(gm.code.encode())
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            digest.update(f"{tuple(x.shape)}{x.stride()}{x.dtype}{x.device.type}{x.requires_grad};".encode())
+        else:
+            digest.update(f"{type(x).__name__};".encode())
+    return digest.hexdigest()
+
+
+def _decisions_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "forge_decisions"
+
+
+def _store_decisions(key: str, decisions: list[explain.Decision]) -> None:
+    if not config.decision_cache:
+        return
+    try:
+        directory = _decisions_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f"{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps([d.to_json() for d in decisions]))
+        tmp.replace(directory / f"{key}.json")
+    except OSError as error:  # a read-only cache only costs a recompile on the next cache hit
+        log.info("forge: could not store decisions: %s", error)
+
+
+def _load_decisions(key: str) -> list[explain.Decision] | None:
+    if not config.decision_cache:
+        return None
+    path = _decisions_dir() / f"{key}.json"
+    try:
+        return [explain.Decision.from_json(d) for d in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError):
+        return None

@@ -1,0 +1,457 @@
+"""Fuse each linear weight's gradient matmul with its optimizer update.
+
+In the post-grad graph a forge optimizer's update of a linear weight ``W`` reads::
+
+    dW  = mm(grad_output_t, input)            # possibly through views and dtype casts
+    new = forge.optimizer_update(W, dW, [states], step, [hyperparameters], rule, options)
+    copy_(W, new[0]); copy_(state_i, new[1 + i])   # at the end of the graph
+
+The pass replaces the chain by one mutating op::
+
+    forge.fused_linear_update_(W, grad_output_t, input, [states], step, [hyperparameters], rule, options)
+
+when the gradient has no other consumer (tied weights, clipping, accumulation, logging
+and returned gradients all read it elsewhere) and the updated values are only copied
+back. The op is placed right after the last reader of the old weight (its ``dX``
+matmul), so ``grad_output`` and the saved input die early instead of at the graph's
+end; the step's scalar inputs (the ``step`` increment) are moved up to meet it.
+
+Every update it does not fuse is replaced by the rule's torch decomposition, which
+Inductor compiles to pointwise kernels that write the weight and states in place.
+Each candidate gets a :class:`forge_compile.explain.Decision`.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import fx
+from torch.fx import Node
+
+from .. import explain, ops, rules
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_UPDATE = torch.ops.forge.optimizer_update.default
+_FUSED = torch.ops.forge.fused_linear_update_.default
+_FUSABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TRANSPOSES = (aten.permute.default, aten.t.default, aten.transpose.int)
+_SAME_SHAPE_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+                   aten.alias.default, aten.contiguous.default)  # fmt: skip
+_CASTS = (prims.convert_element_type.default, aten._to_copy.default)
+_NORMS = (aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten._foreach_norm.Scalar)
+# Nodes that may be moved up to meet a fused op: the step's scalar arithmetic.
+_MAX_HOISTED_ELEMENTS = 4096
+
+
+class Rejection(Exception):
+    def __init__(self, code: str, reason: str):
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+@dataclass
+class _Candidate:
+    update: Node
+    weight: Node
+    states: list[Node]
+    step: Node
+    hyperparameters: list[Node]
+    rule: str
+    options: list[int]
+    copies: list[Node]
+    """copy_ nodes that write the new weight and states back, in that order."""
+    chain: list[Node]
+    """The gradient's nodes from the update back to (and including) the matmul."""
+    grad_output_t: Node
+    input: Node
+    transposed: bool
+    """The matmul computes dW^T: operands are swapped and transposed for the fused op."""
+
+
+def fuse_linear_updates(graph: fx.Graph, name_of: Callable[[Node], str], fuse: bool = True) -> list[explain.Decision]:
+    """Rewrite ``graph`` in place; returns one decision per ``forge.optimizer_update``.
+
+    Example::
+
+        decisions = fuse_linear_updates(gm.graph, lambda placeholder: placeholder.name)
+    """
+    decisions = []
+    for update in [n for n in graph.nodes if n.target is _UPDATE]:
+        param = update.args[0]
+        val = param.meta.get("val") if isinstance(param, Node) else None
+        decision = explain.Decision(
+            name=name_of(param) if isinstance(param, Node) and param.op == "placeholder" else str(param),
+            shape=tuple(val.shape) if val is not None else (),
+            dtype=str(val.dtype).replace("torch.", "") if val is not None else "?",
+            rule=update.args[5],
+            fused=False,
+            code=explain.FUSED,
+        )
+        try:
+            candidate = _match(update)
+            if not fuse:
+                raise Rejection(explain.DISABLED, "fusion disabled (forge_compile.config.fuse is False)")
+            gradient_bytes = _gradient_bytes(candidate)
+            _rewrite(graph, candidate)
+            decision.fused = True
+            decision.gradient_bytes = gradient_bytes
+        except Rejection as rejection:
+            decision.code = rejection.code
+            decision.reason = rejection.reason
+        log.debug("forge: %s %s", decision.name, "fused" if decision.fused else f"not fused: {decision.reason}")
+        decisions.append(decision)
+    for update in [n for n in graph.nodes if n.target is _UPDATE]:
+        decompose_update(graph, update)
+    graph.lint()
+    return decisions
+
+
+# --- matching ---------------------------------------------------------------------------------
+
+
+def _match(update: Node) -> _Candidate:
+    param, grad, states, step, hyperparameters, rule, options = update.args
+    if not isinstance(param, Node) or param.op != "placeholder":
+        raise Rejection(explain.NOT_AN_INPUT, "the parameter is not an input of the compiled graph")
+    weight = param.meta["val"]
+    if weight.dim() != 2:
+        raise Rejection(explain.NOT_A_MATRIX, f"a {weight.dim()}-D parameter (bias, norm or scale), not a matmul weight")
+    if weight.dtype not in _FUSABLE_DTYPES:
+        raise Rejection(explain.UNSUPPORTED_DTYPE, f"weight dtype {weight.dtype} is not fp32, bf16 or fp16")
+    for state in states:
+        if not isinstance(state, Node) or state.op != "placeholder":
+            raise Rejection(explain.NOT_AN_INPUT, "an optimizer state is created inside the graph, not passed in")
+        if state.meta["val"].dtype not in _FUSABLE_DTYPES:
+            raise Rejection(explain.UNSUPPORTED_DTYPE, f"state dtype {state.meta['val'].dtype} is not fp32/bf16/fp16")
+    copies = _copies_back(update, [param, *states])
+    chain, matmul_operands, transposed = _trace_gradient(grad, tuple(weight.shape))
+    _check_single_consumer(chain)
+    grad_output_t, input = matmul_operands
+    return _Candidate(update, param, list(states), step, list(hyperparameters), rule, list(options),
+                      copies, chain, grad_output_t, input, transposed)  # fmt: skip
+
+
+def _copies_back(update: Node, targets: list[Node]) -> list[Node]:
+    """The copy_ of each output into its input; rejects other readers of the new values."""
+    outputs: dict[int, Node] = {}
+    for user in update.users:
+        if user.target is not operator.getitem:
+            raise Rejection(explain.UPDATED_VALUE_READ, "the update's result is used as a whole")
+        outputs[user.args[1]] = user
+    copies = []
+    for index, target in enumerate(targets):
+        what = "weight" if index == 0 else "optimizer state"
+        out = outputs.get(index)
+        users = list(out.users) if out is not None else []
+        if (
+            len(users) != 1
+            or users[0].target is not aten.copy_.default
+            or users[0].args[0] is not target
+            or users[0].args[1] is not out
+        ):
+            raise Rejection(explain.UPDATED_VALUE_READ, f"the updated {what} is read again in the same graph")
+        copies.append(users[0])
+    return copies
+
+
+def _shape(node: Node) -> tuple[int, ...]:
+    return tuple(node.meta["val"].shape)
+
+
+def _is_2d_transpose(node: Node) -> bool:
+    if node.target is aten.t.default:
+        return True
+    if node.target is aten.permute.default:
+        return list(node.args[1]) in ([1, 0], [-1, -2], [-1, 0], [1, -2])
+    if node.target is aten.transpose.int:
+        return len(_shape(node)) == 2 and {d % 2 for d in node.args[1:3]} == {0, 1}
+    return False
+
+
+def _is_plain_cast(node: Node) -> bool:
+    if node.target is prims.convert_element_type.default:
+        return True
+    return node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}
+
+
+def _trace_gradient(grad: Node, weight_shape: tuple[int, ...]):
+    """Walk from the update's gradient back to its matmul through views and casts."""
+    chain: list[Node] = []
+    transposed = False
+    node = grad
+    while True:
+        if not isinstance(node, Node):
+            raise Rejection(explain.NOT_A_MATMUL, "the gradient is not a tensor computed in the graph")
+        if node.op == "placeholder":
+            raise Rejection(
+                explain.GRADIENT_FROM_OUTSIDE,
+                "the gradient was computed outside this graph (backward ran in another graph or eagerly)",
+            )
+        chain.append(node)
+        if node.target is aten.mm.default:
+            break
+        if _is_plain_cast(node):
+            node = node.args[0]
+        elif node.target in _TRANSPOSES and _is_2d_transpose(node):
+            transposed = not transposed
+            node = node.args[0]
+        elif node.target in _SAME_SHAPE_OPS and _shape(node) == _shape(node.args[0]):
+            node = node.args[0]
+        elif node.target is aten.add.Tensor:
+            raise _shared_or_accumulated(node)
+        else:
+            raise Rejection(explain.NOT_A_MATMUL, _not_a_matmul_reason(node))
+    expected = weight_shape[::-1] if transposed else weight_shape
+    if _shape(node) != expected:
+        raise Rejection(explain.NOT_A_MATMUL, f"the matmul's shape {_shape(node)} does not match the weight's")
+    a, b = node.args
+    if transposed:
+        return chain, (b, a), True
+    return chain, (a, b), False
+
+
+def _gradient_sources(node: Node) -> list[Node]:
+    """Terminal producers of a sum of gradients (tied weights add one term per use)."""
+    while isinstance(node, Node) and node.op == "call_function" and (
+        _is_plain_cast(node) or (node.target in _TRANSPOSES and _is_2d_transpose(node))
+        or (node.target in _SAME_SHAPE_OPS and _shape(node) == _shape(node.args[0]))
+    ):  # fmt: skip
+        node = node.args[0]
+    if isinstance(node, Node) and node.target is aten.add.Tensor:
+        return [s for arg in node.args[:2] for s in _gradient_sources(arg)]
+    return [node]
+
+
+def _shared_or_accumulated(add: Node) -> Rejection:
+    sources = _gradient_sources(add)
+    if any(isinstance(s, Node) and s.op == "placeholder" for s in sources):
+        return Rejection(
+            explain.ACCUMULATED,
+            "gradient added to an existing .grad (accumulation, or zero_grad(set_to_none=False))",
+        )
+    ops_ = [f"aten.{s.target.__name__.split('.')[0]}" if isinstance(s, Node) and s.op == "call_function" else "?"
+            for s in sources]  # fmt: skip
+    return Rejection(
+        explain.SHARED_WEIGHT,
+        f"weight used by {len(sources)} ops ({', '.join(ops_)}): tied or shared weights sum their gradients",
+    )
+
+
+_OP_HINTS = {
+    "embedding_dense_backward": "an embedding's gradient (aten.embedding_dense_backward), not a matmul",
+    "clamp": "gradient clamped before the update (clip_grad_value_?)",
+    "mul": "gradient scaled before the update (clip_grad_norm_ or loss scaling?)",
+    "div": "gradient divided before the update (loss scaling?)",
+    "sum": "a sum over tokens (bias-like), not a matmul",
+    "bmm": "a batched matmul's gradient (aten.bmm)",
+    "convolution_backward": "a convolution's gradient",
+}
+
+
+def _not_a_matmul_reason(node: Node) -> str:
+    name = node.target.__name__.split(".")[0] if hasattr(node.target, "__name__") else str(node.target)
+    return _OP_HINTS.get(name, f"gradient computed by aten.{name}, not by a single matmul")
+
+
+def _check_single_consumer(chain: list[Node]) -> None:
+    for i, node in enumerate(chain):
+        expected = chain[i - 1] if i else None
+        others = [u for u in node.users if u is not expected and not (i == 0 and u.target is _UPDATE)]
+        if others:
+            raise Rejection(explain.GRADIENT_READ_ELSEWHERE, _describe_readers(others))
+
+
+def _describe_readers(readers: list[Node]) -> str:
+    descriptions = []
+    for r in readers:
+        if r.op == "output":
+            text = "returned from the compiled function or kept in .grad (call opt.zero_grad() inside it)"
+        elif r.target in _NORMS:
+            text = "read by a norm (clip_grad_norm_?)"
+        elif r.target is aten.copy_.default:
+            text = "copied into another tensor"
+        elif hasattr(r.target, "__name__"):
+            text = f"read by aten.{r.target.__name__.split('.')[0]}"
+        else:
+            text = f"read by {r.target}"
+        if text not in descriptions:
+            descriptions.append(text)
+    return "gradient " + "; ".join(descriptions)
+
+
+def _gradient_bytes(candidate: _Candidate) -> int:
+    mm = candidate.chain[-1].meta["val"]
+    return mm.numel() * mm.element_size()
+
+
+# --- rewriting --------------------------------------------------------------------------------
+
+
+def _aliases(base: Node) -> list[Node]:
+    """``base`` and every node whose output is a view of it."""
+    found, todo = [base], [base]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user not in found and _is_view(user, node):
+                found.append(user)
+                todo.append(user)
+    return found
+
+
+def _is_view(node: Node, of: Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return _is_view(node.args[0], of) if isinstance(node.args[0], Node) and node.args[0] is not of else False
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    if alias is None or alias.is_write:
+        return False
+    return bool(node.args) and node.args[0] is of
+
+
+def _rewrite(graph: fx.Graph, c: _Candidate) -> None:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    removed = set(c.chain) | {c.update, *c.copies} | set(c.update.users)
+    first_write = min(order[copy] for copy in c.copies)
+    read_before, read_after = [], []
+    for base in [c.weight, *c.states]:
+        aliases = _aliases(base)
+        for alias in aliases:
+            for user in alias.users:
+                if user in removed or user in aliases:
+                    continue
+                (read_before if order[user] < first_write else read_after).append(user)
+    operands = [c.grad_output_t, c.input]
+    anchor = max(read_before + [n for n in operands if isinstance(n, Node)], key=order.__getitem__)
+    if anchor.op == "placeholder":
+        anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for scalar in [c.step, *c.hyperparameters]:
+        if order[scalar] > order[anchor] and not _hoist(graph, scalar, anchor.next):
+            anchor = scalar  # cannot move it up: the fused op waits for it
+        order = {n: i for i, n in enumerate(graph.nodes)}
+    if read_after and order[anchor] >= min(order[r] for r in read_after):
+        raise Rejection(explain.ORDERING, "the new weight is read before the old one's last reader")
+
+    with graph.inserting_after(anchor):
+        grad_output_t, input = c.grad_output_t, c.input
+        if c.transposed:
+            grad_output_t = _transpose(graph, grad_output_t)
+            input = _transpose(graph, input)
+        fused = graph.call_function(
+            _FUSED,
+            (c.weight, grad_output_t, input, c.states, c.step, c.hyperparameters, c.rule, c.options),
+        )
+        fused.meta["val"] = None
+        fused.meta["stack_trace"] = c.update.meta.get("stack_trace")
+    for copy in c.copies:
+        graph.erase_node(copy)
+    for out in list(c.update.users):
+        graph.erase_node(out)
+    graph.erase_node(c.update)
+    for node in c.chain:
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _transpose(graph: fx.Graph, node: Node) -> Node:
+    t = graph.call_function(aten.permute.default, (node, [1, 0]))
+    t.meta["val"] = node.meta["val"].permute(1, 0)
+    return t
+
+
+def _hoist(graph: fx.Graph, node: Node, before: Node) -> bool:
+    """Move ``node`` (and what it needs) up to just before ``before``, if that is safe."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return _hoist_ordered(node, before, order)
+
+
+def _hoist_ordered(node: Node, before: Node, order: dict[Node, float]) -> bool:
+    if order[node] < order[before]:
+        return True
+    if node.op != "call_function" or node.is_impure() or _elements(node) > _MAX_HOISTED_ELEMENTS:
+        return False
+    for placeholder in node.all_input_nodes:
+        if placeholder.op == "placeholder" and _written_between(placeholder, before, node, order):
+            return False
+    if not all(_hoist_ordered(arg, before, order) for arg in node.all_input_nodes):
+        return False
+    before.prepend(node)
+    order[node] = order[before] - 0.5
+    return True
+
+
+def _written_between(placeholder: Node, start: Node, end: Node, order: dict[Node, float]) -> bool:
+    for user in placeholder.users:
+        if order[start] <= order[user] < order[end] and user.is_impure():
+            return True
+    return False
+
+
+def _elements(node: Node) -> int:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    total = 0
+    for v in vals:
+        if not isinstance(v, torch.Tensor):
+            return _MAX_HOISTED_ELEMENTS + 1
+        total += v.numel()
+    return total
+
+
+# --- the unfused path: the rule's decomposition for Inductor ----------------------------------
+
+
+def decompose_update(graph: fx.Graph, update: Node) -> None:
+    """Replace one ``forge.optimizer_update`` by the rule's aten ops, for Inductor to fuse."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    param, grad, states, step, hyperparameters, rule_name, options = update.args
+    rule = rules.get(rule_name)
+    flat = [param, grad, *states, step, *hyperparameters]
+    n_states = len(states)
+
+    def update_fn(*tensors):
+        p, g = tensors[0], tensors[1]
+        old_states = list(tensors[2 : 2 + n_states])
+        new_p, new_states = ops.apply_rule(
+            rule, p, g, old_states, tensors[2 + n_states], list(tensors[3 + n_states :]), tuple(options)
+        )
+        return [new_p.to(p.dtype)] + [n.to(s.dtype) for n, s in zip(new_states, old_states)]
+
+    fake_args = [a.meta["val"] for a in flat]
+    with detect_fake_mode(fake_args):
+        decomposition = make_fx(update_fn, decomposition_table=select_decomp_table())(*fake_args)
+    outputs = _inline(graph, update, decomposition, flat)
+    for user in list(update.users):
+        user.replace_all_uses_with(outputs[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(update)
+
+
+def _inline(graph: fx.Graph, before: Node, gm: fx.GraphModule, args: list[Node]) -> list[Node]:
+    env: dict[Node, Node] = {}
+    placeholders = iter(args)
+    outputs = None
+    with graph.inserting_before(before):
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(placeholders)
+            elif node.op == "output":
+                outputs = [env[n] for n in node.args[0]]
+            else:
+                env[node] = graph.node_copy(node, lambda n: env[n])
+    return outputs
