@@ -46,7 +46,7 @@ _SAME_SHAPE_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.de
                    aten.alias.default, aten.contiguous.default)  # fmt: skip
 _CASTS = (prims.convert_element_type.default, aten._to_copy.default)
 _NORMS = (aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten._foreach_norm.Scalar)
-# Nodes that may be moved up to meet a fused op: the step's scalar arithmetic.
+# Besides views, only nodes this small (the step's scalar arithmetic) move up to meet a fused op.
 _MAX_HOISTED_ELEMENTS = 4096
 
 
@@ -70,10 +70,11 @@ class _Candidate:
     """copy_ nodes that write the new weight and states back, in that order."""
     chain: list[Node]
     """The gradient's nodes from the update back to (and including) the matmul."""
-    grad_output_t: Node
-    input: Node
+    left: Node
+    right: Node
+    """The matmul's operands: it computes ``left @ right``."""
     transposed: bool
-    """The matmul computes dW^T: operands are swapped and transposed for the fused op."""
+    """The matmul computes dW^T, so the fused op takes ``right^T @ left^T``."""
 
 
 def fuse_linear_updates(graph: fx.Graph, name_of: Callable[[Node], str], fuse: bool = True) -> list[explain.Decision]:
@@ -134,9 +135,9 @@ def _match(update: Node) -> _Candidate:
     copies = _copies_back(update, [param, *states])
     chain, matmul_operands, transposed = _trace_gradient(grad, tuple(weight.shape))
     _check_single_consumer(chain)
-    grad_output_t, input = matmul_operands
+    left, right = matmul_operands
     return _Candidate(update, param, list(states), step, list(hyperparameters), rule, list(options),
-                      copies, chain, grad_output_t, input, transposed)  # fmt: skip
+                      copies, chain, left, right, transposed)  # fmt: skip
 
 
 def _copies_back(update: Node, targets: list[Node]) -> list[Node]:
@@ -212,10 +213,7 @@ def _trace_gradient(grad: Node, weight_shape: tuple[int, ...]):
     expected = weight_shape[::-1] if transposed else weight_shape
     if _shape(node) != expected:
         raise Rejection(explain.NOT_A_MATMUL, f"the matmul's shape {_shape(node)} does not match the weight's")
-    a, b = node.args
-    if transposed:
-        return chain, (b, a), True
-    return chain, (a, b), False
+    return chain, tuple(node.args), transposed
 
 
 def _gradient_sources(node: Node) -> list[Node]:
@@ -333,28 +331,33 @@ def _rewrite(graph: fx.Graph, c: _Candidate) -> None:
                 if user in removed or user in aliases:
                     continue
                 (read_before if order[user] < first_write else read_after).append(user)
-    operands = [c.grad_output_t, c.input]
-    anchor = max(read_before + [n for n in operands if isinstance(n, Node)], key=order.__getitem__)
+    operands = [c.left, c.right]
+    # The matmul's operands are often views made just before it, at the graph's end:
+    # place the fused op after what they view and move the views (and the step's
+    # scalars) up to it.
+    producers = [_view_base(n) for n in operands]
+    anchor = max(read_before + producers, key=order.__getitem__)
     if anchor.op == "placeholder":
         anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    for scalar in [c.step, *c.hyperparameters]:
-        if order[scalar] > order[anchor] and not _hoist(graph, scalar, anchor.next):
-            anchor = scalar  # cannot move it up: the fused op waits for it
-        order = {n: i for i, n in enumerate(graph.nodes)}
-    if read_after and order[anchor] >= min(order[r] for r in read_after):
-        raise Rejection(explain.ORDERING, "the new weight is read before the old one's last reader")
-
     with graph.inserting_after(anchor):
-        grad_output_t, input = c.grad_output_t, c.input
-        if c.transposed:
-            grad_output_t = _transpose(graph, grad_output_t)
-            input = _transpose(graph, input)
         fused = graph.call_function(
             _FUSED,
-            (c.weight, grad_output_t, input, c.states, c.step, c.hyperparameters, c.rule, c.options),
+            (c.weight, c.left, c.right, c.states, c.step, c.hyperparameters, c.rule, c.options),
         )
-        fused.meta["val"] = None
-        fused.meta["stack_trace"] = c.update.meta.get("stack_trace")
+    fused.meta["val"] = None
+    fused.meta["stack_trace"] = c.update.meta.get("stack_trace")
+    for needed in [*operands, c.step, *c.hyperparameters]:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if order[needed] > order[fused] and not _hoist_ordered(needed, fused, order):
+            needed.append(fused)  # cannot move it up: the fused op waits for it
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    if read_after and order[fused] > min(order[r] for r in read_after):
+        graph.erase_node(fused)
+        raise Rejection(explain.ORDERING, "the new weight is read before the old one's last reader")
+    if c.transposed:
+        with graph.inserting_before(fused):
+            fused.update_arg(1, _transpose(graph, c.right))
+            fused.update_arg(2, _transpose(graph, c.left))
     for copy in c.copies:
         graph.erase_node(copy)
     for out in list(c.update.users):
@@ -365,22 +368,25 @@ def _rewrite(graph: fx.Graph, c: _Candidate) -> None:
             graph.erase_node(node)
 
 
+def _view_base(node: Node) -> Node:
+    while node.op == "call_function" and node.args and isinstance(node.args[0], Node) and _is_view(node, node.args[0]):
+        node = node.args[0]
+    return node
+
+
 def _transpose(graph: fx.Graph, node: Node) -> Node:
     t = graph.call_function(aten.permute.default, (node, [1, 0]))
     t.meta["val"] = node.meta["val"].permute(1, 0)
     return t
 
 
-def _hoist(graph: fx.Graph, node: Node, before: Node) -> bool:
-    """Move ``node`` (and what it needs) up to just before ``before``, if that is safe."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return _hoist_ordered(node, before, order)
-
-
 def _hoist_ordered(node: Node, before: Node, order: dict[Node, float]) -> bool:
     if order[node] < order[before]:
         return True
-    if node.op != "call_function" or node.is_impure() or _elements(node) > _MAX_HOISTED_ELEMENTS:
+    if node.op != "call_function" or node.is_impure():
+        return False
+    is_view = bool(node.args) and isinstance(node.args[0], Node) and _is_view(node, node.args[0])
+    if not is_view and _elements(node) > _MAX_HOISTED_ELEMENTS:
         return False
     for placeholder in node.all_input_nodes:
         if placeholder.op == "placeholder" and _written_between(placeholder, before, node, order):
