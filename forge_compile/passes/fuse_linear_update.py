@@ -209,7 +209,7 @@ def _trace_gradient(grad: Node, weight_shape: tuple[int, ...]):
         elif node.target is aten.add.Tensor:
             raise _shared_or_accumulated(node)
         else:
-            raise Rejection(explain.NOT_A_MATMUL, _not_a_matmul_reason(node))
+            raise _transformed_gradient(node)
     expected = weight_shape[::-1] if transposed else weight_shape
     if _shape(node) != expected:
         raise Rejection(explain.NOT_A_MATMUL, f"the matmul's shape {_shape(node)} does not match the weight's")
@@ -254,9 +254,30 @@ _OP_HINTS = {
 }
 
 
-def _not_a_matmul_reason(node: Node) -> str:
-    name = node.target.__name__.split(".")[0] if hasattr(node.target, "__name__") else str(node.target)
-    return _OP_HINTS.get(name, f"gradient computed by aten.{name}, not by a single matmul")
+def _op_name(node: Node) -> str:
+    target = node.target
+    name = target.__name__.split(".")[0] if hasattr(target, "__name__") else str(target)
+    return name.removeprefix("_foreach_")
+
+
+def _transformed_gradient(node: Node) -> Rejection:
+    """Why a gradient that is not a plain matmul output cannot be fused."""
+    producer, element = node, None
+    if node.target is operator.getitem and isinstance(node.args[0], Node):
+        producer, element = node.args[0], node.args[1]  # one tensor of a foreach op
+    inputs = producer.args[0] if producer.args else None
+    if element is not None and isinstance(inputs, (list, tuple)) and element < len(inputs):
+        inputs = inputs[element]
+    matmul = _gradient_sources(inputs)[0] if isinstance(inputs, Node) else None
+    if matmul is not None and matmul.target is aten.mm.default:
+        if any(u.target in _NORMS for u in matmul.users):
+            return Rejection(
+                explain.GRADIENT_READ_ELSEWHERE,
+                "gradient read by a global norm and rescaled (clip_grad_norm_): the norm needs every gradient "
+                "before any update",
+            )
+    name = _op_name(producer)
+    return Rejection(explain.NOT_A_MATMUL, _OP_HINTS.get(name, f"gradient computed by aten.{name}, not by a single matmul"))
 
 
 def _check_single_consumer(chain: list[Node]) -> None:

@@ -1,0 +1,186 @@
+"""The compiled forge step against eager torch.optim, end to end on the CPU."""
+
+import pytest
+import torch
+from helpers import MLP, assert_close_params, max_param_error, mse_step, twin
+
+import forge_compile
+from forge_compile.models import TinyGPT, TinyGPTConfig, language_model_loss
+
+STEPS = 6
+
+ADAM_SETTINGS = [
+    pytest.param(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), id="adamw"),
+    pytest.param(torch.optim.Adam, dict(lr=1e-2, weight_decay=1e-2), id="adam-l2"),
+    pytest.param(torch.optim.AdamW, dict(lr=5e-3, betas=(0.8, 0.95), amsgrad=True), id="adamw-amsgrad"),
+    pytest.param(torch.optim.Adam, dict(lr=1e-2, maximize=True), id="adam-maximize"),
+    pytest.param(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.0), id="adamw-no-decay"),
+]
+
+
+def _forge(torch_class, model, settings):
+    return {torch.optim.Adam: forge_compile.optim.Adam, torch.optim.AdamW: forge_compile.optim.AdamW}[torch_class](
+        model.parameters(), **settings
+    )
+
+
+@pytest.mark.parametrize("torch_class,settings", ADAM_SETTINGS)
+def test_mlp_with_3d_inputs_matches_torch_optim(torch_class, settings):
+    model = MLP()
+    reference = twin(model)
+    step = torch.compile(mse_step(model, _forge(torch_class, model, settings)), backend="forge")
+    reference_step = mse_step(reference, torch_class(reference.parameters(), **settings))
+    x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
+    report = forge_compile.explain(step, x, y)
+    reference_step(x, y)
+    for i in range(STEPS - 1):
+        x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
+        torch.testing.assert_close(step(x, y), reference_step(x, y), rtol=1e-5, atol=1e-6)
+    assert_close_params(model, reference, atol=1e-5)
+    linear_weights = {f"model.net.{i}.weight" for i in (0, 2, 4)}
+    assert {d.name for d in report.fused} == linear_weights
+    assert {d.name for d in report.rejected} == {f"model.net.{i}.bias" for i in (0, 2, 4)}
+    assert report.gradient_bytes_eliminated == 4 * (24 * 12 + 20 * 24 + 6 * 20)
+
+
+def test_small_transformer_matches_torch_optim():
+    cfg = TinyGPTConfig(width=32, depth=2, heads=2, context=16)
+    model = TinyGPT(cfg)
+    reference = twin(model)
+    opt = forge_compile.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1)
+
+    def make_step(m, o):
+        def train_step(tokens):
+            loss = language_model_loss(m, tokens)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            return loss.detach()
+
+        return train_step
+
+    step = torch.compile(make_step(model, opt), backend="forge")
+    reference_step = make_step(reference, reference_opt)
+    tokens = torch.randint(0, 256, (3, cfg.context + 1))
+    report = forge_compile.explain(step, tokens)
+    reference_step(tokens)
+    for _ in range(STEPS - 1):
+        tokens = torch.randint(0, 256, (3, cfg.context + 1))
+        torch.testing.assert_close(step(tokens), reference_step(tokens), rtol=1e-5, atol=1e-5)
+    assert_close_params(model, reference, atol=1e-5)
+    # Names follow the function's own reference to the model: here the closure variable ``m``.
+    linears = {f"m.{n}.weight" for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    assert {d.name for d in report.fused} == linears
+    assert {d.name for d in report.rejected if len(d.shape) == 2} == {"m.tokens.weight", "m.positions.weight"}
+
+
+def test_tied_weight_is_rejected_with_its_reason_and_still_right():
+    cfg = TinyGPTConfig(width=32, depth=1, heads=2, context=8, tied_embeddings=True)
+    model = TinyGPT(cfg)
+    reference = twin(model)
+    opt = forge_compile.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+
+    def make_step(m, o):
+        def train_step(tokens):
+            loss = language_model_loss(m, tokens)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            return loss.detach()
+
+        return train_step
+
+    step = torch.compile(make_step(model, opt), backend="forge")
+    reference_step = make_step(reference, reference_opt)
+    tokens = torch.randint(0, 256, (2, cfg.context + 1))
+    report = forge_compile.explain(step, tokens)
+    reference_step(tokens)
+    for _ in range(3):
+        tokens = torch.randint(0, 256, (2, cfg.context + 1))
+        step(tokens), reference_step(tokens)
+    assert_close_params(model, reference, atol=1e-5)
+    tied = [d for d in report.rejected if d.name == "m.tokens.weight"]
+    assert len(tied) == 1 and tied[0].code == "shared_weight"
+    assert "tied or shared weights" in tied[0].reason and "2 ops" in tied[0].reason
+    assert not any("head" in d.name for d in report.fused)
+
+
+def test_undetached_loss_is_still_right_and_explained():
+    model = MLP()
+    reference = twin(model)
+    step = torch.compile(mse_step(model, forge_compile.optim.AdamW(model.parameters(), lr=1e-2), detach=False),
+                         backend="forge")  # fmt: skip
+    reference_step = mse_step(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), detach=False)
+    x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
+    report = forge_compile.explain(step, x, y)
+    reference_step(x, y)
+    for _ in range(3):
+        x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
+        torch.testing.assert_close(step(x, y).detach(), reference_step(x, y).detach())
+    assert_close_params(model, reference, atol=1e-5)
+    assert not report.fused
+    assert any("without .detach()" in note for note in report.notes)
+    assert all(d.code == "gradient_from_outside" for d in report.rejected if len(d.shape) == 2)
+
+
+def test_stock_torch_optimizer_is_right_and_explained():
+    model = MLP()
+    reference = twin(model)
+    step = torch.compile(mse_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2)), backend="forge")
+    reference_step = mse_step(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2))
+    x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
+    for _ in range(3):
+        step(x, y), reference_step(x, y)
+    assert max_param_error(model, reference) <= 1e-5
+    report = forge_compile.explain(step, x, y)
+    assert not report.fused
+    assert any("step() not captured: torch.optim.adamw.AdamW is not traceable" in n for n in report.notes), report.notes
+
+
+def test_clipped_gradients_stay_unfused_and_right():
+    model = MLP()
+    reference = twin(model)
+
+    def make_step(m, o):
+        def train_step(x, y):
+            loss = ((m(x) - y) ** 2).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            o.step()
+            o.zero_grad()
+            return loss.detach()
+
+        return train_step
+
+    step = torch.compile(make_step(model, forge_compile.optim.AdamW(model.parameters(), lr=1e-2)), backend="forge")
+    reference_step = make_step(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2))
+    x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
+    report = forge_compile.explain(step, x, y)
+    reference_step(x, y)
+    for _ in range(3):
+        step(x, y), reference_step(x, y)
+    assert_close_params(model, reference, atol=1e-5)
+    assert not report.fused
+    weights = [d for d in report.rejected if len(d.shape) == 2]
+    assert len(weights) == 3 and all(d.code == "gradient_read_elsewhere" for d in weights), weights
+    assert all("norm" in d.reason for d in weights)
+
+
+def test_learning_rate_changes_do_not_recompile():
+    model = MLP()
+    reference = twin(model)
+    opt = forge_compile.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    step = torch.compile(mse_step(model, opt), backend="forge")
+    reference_step = mse_step(reference, reference_opt)
+    for i in range(5):
+        x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
+        step(x, y), reference_step(x, y)
+        for group in (*opt.param_groups, *reference_opt.param_groups):
+            group["lr"] *= 0.7
+    assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])
+    assert_close_params(model, reference, atol=1e-5)
