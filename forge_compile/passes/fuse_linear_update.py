@@ -45,6 +45,7 @@ _TRANSPOSES = (aten.permute.default, aten.t.default, aten.transpose.int)
 _SAME_SHAPE_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
                    aten.alias.default, aten.contiguous.default)  # fmt: skip
 _CASTS = (prims.convert_element_type.default, aten._to_copy.default)
+_STATISTICS = {"pow", "abs", "sum", "amax", "amin", "mean", "square"}
 _NORMS = (aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten._foreach_norm.Scalar)
 # Besides views, only nodes this small (the step's scalar arithmetic) move up to meet a fused op.
 _MAX_HOISTED_ELEMENTS = 4096
@@ -239,7 +240,8 @@ def _shared_or_accumulated(add: Node) -> Rejection:
             for s in sources]  # fmt: skip
     return Rejection(
         explain.SHARED_WEIGHT,
-        f"weight used by {len(sources)} ops ({', '.join(ops_)}): tied or shared weights sum their gradients",
+        f"weight used by {len(sources)} ops ({', '.join(ops_)}): its gradient is a sum, as for tied or shared "
+        "weights or several backward() calls",
     )
 
 
@@ -295,6 +297,8 @@ def _describe_readers(readers: list[Node]) -> str:
             text = "returned from the compiled function or kept in .grad (call opt.zero_grad() inside it)"
         elif r.target in _NORMS:
             text = "read by a norm (clip_grad_norm_?)"
+        elif r.op == "call_function" and _op_name(r) in _STATISTICS:
+            text = f"read by a norm or statistic (aten.{_op_name(r)}: logging or clipping?)"
         elif r.target is aten.copy_.default:
             text = "copied into another tensor"
         elif hasattr(r.target, "__name__"):
