@@ -184,3 +184,56 @@ def test_learning_rate_changes_do_not_recompile():
             group["lr"] *= 0.7
     assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])
     assert_close_params(model, reference, atol=1e-5)
+
+
+@pytest.mark.skipif(
+    __import__("os").environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="runs the Triton kernel: needs a GPU or TRITON_INTERPRET=1",
+)
+def test_compiled_step_with_the_triton_kernel(monkeypatch):
+    monkeypatch.setattr(forge_compile.config, "kernel", "triton")
+    model = MLP(sizes=(12, 20, 6))
+    reference = twin(model)
+    step = torch.compile(mse_step(model, forge_compile.optim.AdamW(model.parameters(), lr=1e-2)), backend="forge")
+    reference_step = mse_step(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2))
+    for _ in range(3):
+        x, y = torch.randn(2, 7, 12), torch.randn(2, 7, 6)
+        step(x, y), reference_step(x, y)
+    assert_close_params(model, reference, atol=1e-5)
+
+
+def test_a_failing_pass_falls_back_to_inductor_with_a_warning(monkeypatch):
+    import forge_compile.backend as backend
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure")
+
+    monkeypatch.setattr(backend, "fuse_linear_updates", broken)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # the pass must run
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    model = MLP()
+    reference = twin(model)
+    step = torch.compile(mse_step(model, forge_compile.optim.AdamW(model.parameters(), lr=1e-2)), backend="forge")
+    reference_step = mse_step(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2))
+    x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
+    with pytest.warns(UserWarning, match="fusion pass failed.*simulated failure"):
+        report = forge_compile.explain(step, x, y)
+    reference_step(x, y)
+    step(x, y), reference_step(x, y)
+    assert_close_params(model, reference, atol=1e-5)
+    assert report.graphs[0].fallback.startswith("RuntimeError: simulated failure")
+
+
+def test_decisions_survive_an_inductor_cache_hit():
+    def run():
+        torch.manual_seed(0)
+        model = MLP()
+        step = torch.compile(mse_step(model, forge_compile.optim.AdamW(model.parameters())), backend="forge")
+        return forge_compile.explain(step, torch.randn(4, 5, 12), torch.randn(4, 5, 6))
+
+    first = run()
+    torch._dynamo.reset()
+    second = run()  # same graph: Inductor serves it from its cache without running any pass
+    assert [(d.name, d.fused, d.reason) for d in second.decisions] == [(d.name, d.fused, d.reason) for d in first.decisions]
+    assert len(second.fused) == 3
+    assert second.graphs[0].from_cache
