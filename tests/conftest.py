@@ -27,3 +27,10 @@ def fresh_dynamo():
 @pytest.fixture(autouse=True)
 def seeded():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def no_inductor_cache(monkeypatch):
+    """Compile for real: Inductor's caches would serve graphs without running forge's pass."""
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)

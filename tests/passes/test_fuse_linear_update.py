@@ -47,7 +47,7 @@ def _two_layer_step():
 @pytest.mark.skipif(not torch.__version__.startswith("2.13"), reason="snapshots are recorded on torch 2.13")
 class TestSnapshots(expecttest.TestCase):
     @pytest.fixture(autouse=True)
-    def _monkeypatch(self, monkeypatch):
+    def _monkeypatch(self, monkeypatch, no_inductor_cache):
         self.monkeypatch = monkeypatch
 
     def test_post_grad_graph_before_and_after(self):
