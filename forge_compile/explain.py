@@ -133,14 +133,18 @@ class Report:
             f"gradient memory never materialized: {_bytes(self.gradient_bytes_eliminated)}"
         ]
         rows = [("parameter", "shape", "rule", "result")]
+        vectors = [d for d in self.decisions if d.code == NOT_A_MATRIX]
         for d in self.decisions:
-            rows.append((d.name, "x".join(map(str, d.shape)) or "scalar", d.rule, "fused" if d.fused else d.reason))
+            if d.code != NOT_A_MATRIX:
+                rows.append((d.name, "x".join(map(str, d.shape)) or "scalar", d.rule, "fused" if d.fused else d.reason))
         if len(rows) > 1:
             widths = [max(len(r[i]) for r in rows) for i in range(3)]
             for i, r in enumerate(rows):
                 lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
                 if i == 0:
                     lines.append("  " + "  ".join("-" * w for w in widths) + "  " + "-" * 6)
+        if vectors:
+            lines.append(f"  ({len(vectors)} biases, norms and other non-matrix parameters: updated by Inductor kernels)")
         for reason in self.graph_breaks:
             lines.append("graph break: " + reason.strip().splitlines()[0])
         for note in self.notes:

@@ -246,7 +246,10 @@ def _shared_or_accumulated(add: Node) -> Rejection:
 
 
 _OP_HINTS = {
-    "embedding_dense_backward": "an embedding's gradient (aten.embedding_dense_backward), not a matmul",
+    "embedding_dense_backward": "an embedding's gradient (a scatter of rows), not a matmul",
+    "_unsafe_masked_index_put_accumulate": "an embedding's gradient (a scatter of rows), not a matmul",
+    "index_put": "an embedding's gradient (a scatter of rows), not a matmul",
+    "scatter_add": "a scatter's gradient, not a matmul",
     "clamp": "gradient clamped before the update (clip_grad_value_?)",
     "mul": "gradient scaled before the update (clip_grad_norm_ or loss scaling?)",
     "div": "gradient divided before the update (loss scaling?)",
