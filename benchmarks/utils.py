@@ -1,0 +1,51 @@
+"""Shared pieces of the benchmarks: environment, result files, one process per measured mode."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def environment() -> dict:
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+
+
+def write_result(name: str, payload: dict, out_dir: str | None = None) -> Path:
+    """Write ``payload`` (with the environment) to results/NAME.json and, if set, to $OUT."""
+    payload = {"environment": environment(), **payload}
+    text = json.dumps(payload, indent=2, default=str)
+    paths = [RESULTS / f"{name}.json"]
+    if out_dir or os.environ.get("OUT"):
+        paths.append(Path(out_dir or os.environ["OUT"]) / f"{name}.json")
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return paths[0]
+
+
+def run_in_subprocess(module: str, args: list[str], timeout: float = 900) -> dict:
+    """Run ``python -m module args`` in a fresh process; it prints one JSON line last."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=Path(__file__).parent.parent)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"{module} {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
