@@ -30,7 +30,7 @@ def seeded():
 
 
 @pytest.fixture
-def no_inductor_cache(monkeypatch):
+def no_inductor_cache():
     """Compile for real: Inductor's caches would serve graphs without running forge's pass."""
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
