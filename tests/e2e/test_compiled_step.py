@@ -191,13 +191,14 @@ def test_learning_rate_changes_do_not_recompile():
     reason="runs the Triton kernel: needs a GPU or TRITON_INTERPRET=1",
 )
 def test_compiled_step_with_the_triton_kernel(monkeypatch):
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU: the interpreter
     monkeypatch.setattr(forge_compile.config, "kernel", "triton")
-    model = MLP(sizes=(12, 20, 6))
+    model = MLP(sizes=(12, 20, 6)).to(device)
     reference = twin(model)
     step = torch.compile(mse_step(model, forge_compile.optim.AdamW(model.parameters(), lr=1e-2)), backend="forge")
     reference_step = mse_step(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2))
     for _ in range(3):
-        x, y = torch.randn(2, 7, 12), torch.randn(2, 7, 6)
+        x, y = torch.randn(2, 7, 12, device=device), torch.randn(2, 7, 6, device=device)
         step(x, y), reference_step(x, y)
     assert_close_params(model, reference, atol=1e-5)
 
