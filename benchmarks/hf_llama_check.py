@@ -4,12 +4,16 @@ A small LlamaForCausalLM (random weights from a config, fp32, untied embeddings)
 few steps in four modes, each in its own process so that no mode's memory leaks into
 another's peak:
 
-* eager: the model and torch.optim.AdamW, uncompiled: the reference;
+* eager-fp64: the same in float64, the reference for all the others;
+* eager: the model and torch.optim.AdamW, uncompiled, fp32;
 * inductor: ``torch.compile(train_step, backend="inductor")`` with torch.optim.AdamW;
 * forge-unfused: forge's AdamW compiled with forge but ``config.fuse = False``;
 * forge: forge's AdamW compiled with ``backend="forge"``.
 
-It checks that forge's weights match eager's; that Inductor's generated code for the
+Adam amplifies rounding where a gradient is near zero (torch's own compiled step differs
+from its eager step by up to ~1e-3 on single weights after a few steps), so each mode's
+weights are compared with the float64 run: forge must be as close to it as torch's fp32
+eager step is. It also checks that Inductor's generated code for the
 forge step calls the fused op once per linear weight and that its final post-grad graph
 has no matmul contracting over the tokens (a dW matmul), while the inductor step's has
 one per weight; and that forge's peak memory is below the inductor step's by at least
@@ -34,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.utils import run_in_subprocess, write_result  # noqa: E402
 
-MODES = ("eager", "inductor", "forge-unfused", "forge")
+MODES = ("eager-fp64", "eager", "inductor", "forge-unfused", "forge")
 STEPS = 8
 MEASURED_FROM = 3  # steps before this one compile and warm up
 
@@ -84,6 +88,17 @@ class _CountWeightGradientMatmuls:
         return None  # never cache: the count must be taken on every compile
 
 
+def _profile(step, batch, top: int = 12) -> dict[str, float]:
+    """CUDA time per kernel name over one more step, the largest first (microseconds)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(batch)
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    return {e.key[:90]: round(e.device_time_total, 1) for e in rows[:top]}
+
+
 def run_mode(mode: str, tiny: bool, device: str, save_to: str) -> dict:
     from torch._inductor.utils import run_and_get_code
     from transformers import LlamaForCausalLM
@@ -92,7 +107,8 @@ def run_mode(mode: str, tiny: bool, device: str, save_to: str) -> dict:
 
     torch.manual_seed(0)
     cfg = _config(tiny)
-    model = LlamaForCausalLM(cfg).to(device=device, dtype=torch.float32)
+    dtype = torch.float64 if mode == "eager-fp64" else torch.float32
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
     model.train()
     if mode.startswith("forge"):
         optimizer = forge_compile.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -108,7 +124,7 @@ def run_mode(mode: str, tiny: bool, device: str, save_to: str) -> dict:
         return loss.detach()
 
     step = train_step
-    if mode != "eager":
+    if not mode.startswith("eager"):
         step = torch.compile(train_step, backend="forge" if mode.startswith("forge") else "inductor")
     batches = _batches(cfg, device)
     counter = _CountWeightGradientMatmuls(tokens=batches[0].numel())
@@ -137,15 +153,18 @@ def run_mode(mode: str, tiny: bool, device: str, save_to: str) -> dict:
             times.append(start.elapsed_time(end))
         losses.append(loss.item() if loss is not None else None)
     torch.save({n: p.detach().cpu() for n, p in model.named_parameters()}, save_to)
+    kernels = _profile(step, batches[-1]) if cuda and mode != "eager-fp64" else None
     result = {
         "mode": mode,
         "losses": losses,
         "step_ms_median": statistics.median(times[MEASURED_FROM:]) if times else None,
         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "fused_op_calls": code.count("torch.ops.forge.fused_linear_update_.default("),
-        "weight_gradient_matmuls": counter.count if mode != "eager" else None,
+        "weight_gradient_matmuls": None if mode.startswith("eager") else counter.count,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+    if kernels is not None:
+        result["profile_top_kernels_us"] = kernels
     if report is not None:
         result["fused"] = [d.name for d in report.fused]
         result["rejected"] = {d.name: d.reason for d in report.rejected}
@@ -179,13 +198,29 @@ def main() -> int:
 
     with torch.device("meta"):
         linear_weights = _linear_weight_shapes(LlamaForCausalLM(_config(args.tiny)))
-    eager = weights["eager"]
-    errors = {mode: max((weights[mode][n].double() - eager[n].double()).abs().max().item() for n in eager)
-              for mode in MODES if mode != "eager"}  # fmt: skip
+    reference = weights["eager-fp64"]
+
+    def errors_against(ref):
+        out = {}
+        for mode in MODES:
+            if weights[mode] is ref:
+                continue
+            diff = [(weights[mode][n].double() - ref[n].double()) for n in ref]
+            norm = sum(d.square().sum() for d in diff).sqrt() / sum(ref[n].double().square().sum() for n in ref).sqrt()
+            out[mode] = {"max_abs": max(d.abs().max().item() for d in diff), "relative_l2": norm.item(),
+                         "fraction_above_1e-5": sum((d.abs() > 1e-5).sum().item() for d in diff)
+                         / sum(d.numel() for d in diff)}  # fmt: skip
+        return out
+
+    errors = errors_against(reference)
+    errors_vs_eager = errors_against(weights["eager"])
     forge, inductor = results["forge"], results["inductor"]
     fused_bytes = forge["gradient_bytes_eliminated"]
     checks = {
-        "forge_matches_eager_within_1e-4": errors["forge"] <= 1e-4,
+        "forge_as_close_to_float64_as_torch_eager_fp32": errors["forge"]["relative_l2"]
+        <= 1.5 * errors["eager"]["relative_l2"],
+        "forge_matches_eager_fp32_on_all_but_0.1%_of_weights_within_1e-5": errors_vs_eager["forge"][
+            "fraction_above_1e-5"] <= 1e-3,
         "every_linear_weight_fused": sorted(n.removeprefix("model.") for n in forge["fused"])
         == sorted(linear_weights),
         "fused_op_once_per_linear_weight": forge["fused_op_calls"] == len(linear_weights),
@@ -198,7 +233,8 @@ def main() -> int:
             inductor["peak_bytes"] - forge["peak_bytes"] >= fused_bytes
         )
     summary = {
-        "max_abs_weight_error_vs_eager": errors,
+        "weight_error_vs_float64": errors,
+        "weight_error_vs_eager_fp32": errors_vs_eager,
         "linear_weights": len(linear_weights),
         "fused_gradient_bytes": fused_bytes,
         "peak_bytes": {m: r["peak_bytes"] for m, r in results.items()},
@@ -212,10 +248,14 @@ def main() -> int:
     for mode, r in results.items():
         peak = f"{r['peak_bytes'] / 2**20:9.1f} MiB" if r["peak_bytes"] else "        n/a"
         step = f"{r['step_ms_median']:8.2f} ms" if r["step_ms_median"] else "     n/a"
-        err = f"{errors[mode]:.2e}" if mode in errors else "reference"
-        print(f"{mode:>14}: peak {peak}  step {step}  max |w - w_eager| {err}  "
+        err = f"{errors[mode]['relative_l2']:.2e}" if mode in errors else "reference"
+        print(f"{mode:>14}: peak {peak}  step {step}  |w - w_fp64|/|w_fp64| {err}  "
               f"dW matmuls in code {r['weight_gradient_matmuls']}")
     print(f"fused gradient bytes: {fused_bytes / 2**20:.1f} MiB")
+    if forge.get("profile_top_kernels_us"):
+        print("forge step, CUDA time per kernel (us):")
+        for name, us in forge["profile_top_kernels_us"].items():
+            print(f"  {us:10.1f}  {name}")
     for check, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {check}")
     return 0 if all(checks.values()) else 1

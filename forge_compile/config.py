@@ -24,6 +24,10 @@ class ForgeConfig:
     """Implementation of the fused op: "auto" (Triton on CUDA, torch ops elsewhere),
     "triton" (also on CPU under TRITON_INTERPRET=1, for tests), or "torch"."""
 
+    autotune: bool = True
+    """Tune the fused kernel's tile shapes per weight shape. Read when the kernel module is
+    first imported; FORGE_AUTOTUNE=0 runs one fixed config (quick tests)."""
+
     decision_cache: bool = True
     """Keep each compiled graph's fusion decisions on disk beside Inductor's cache, so
     that explain() reports them when Inductor serves the graph from its cache."""

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import rules
+from ..config import config
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -34,6 +35,8 @@ def _configs():
     # weights still fill the 132 SMs, and 64-wide K steps to keep bf16 tiles in shared
     # memory at 3-4 stages with the fp32 state tiles of the epilogue in registers.
     shapes = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (128, 128, 32, 8, 4)]
+    if not config.autotune:
+        shapes = shapes[3:4]
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s)
         for m, n, k, w, s in shapes
