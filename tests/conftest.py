@@ -10,6 +10,7 @@ if "TRITON_INTERPRET" not in os.environ and not Path("/dev/nvidia0").exists():
     os.environ["TRITON_INTERPRET"] = "1"
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))  # benchmarks/, for the README check
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
