@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .explain import explain
-from .models import TinyGPT, TinyGPTConfig, language_model_loss
+from .models import TinyGPT, TinyGPTConfig, language_model_loss, language_model_train_step
 from .optim import AdamW
 
 
@@ -55,17 +55,6 @@ class Batches:
         return torch.stack([self.tokens[s : s + self.context + 1] for s in starts.tolist()])
 
 
-def _make_step(model, optimizer):
-    def train_step(tokens):
-        loss = language_model_loss(model, tokens)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.detach()
-
-    return train_step
-
-
 @torch.no_grad()
 def _held_out_loss(model, batches: Batches, device, n: int = 8) -> float:
     return statistics.fmean(language_model_loss(model, batches.next().to(device)).item() for _ in range(n))
@@ -76,10 +65,10 @@ def _run(mode: str, cfg, state, train, held_out, steps, device, lr):
     model.load_state_dict(state)
     if mode == "forge":
         optimizer = AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-        step = torch.compile(_make_step(model, optimizer), backend="forge")
+        step = torch.compile(language_model_train_step(model, optimizer), backend="forge")
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-        step = torch.compile(_make_step(model, optimizer), backend="inductor")
+        step = torch.compile(language_model_train_step(model, optimizer), backend="inductor")
     batches = Batches(train, 8, cfg.context, seed=1)
     report = None
     losses, times = [], []

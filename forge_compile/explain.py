@@ -19,7 +19,7 @@ from typing import Any, Callable
 FUSED = "fused"
 NOT_A_MATRIX = "not_a_matrix"
 NOT_A_MATMUL = "not_a_matmul"
-SHARED_WEIGHT = "shared_weight"
+SUMMED_GRADIENT = "summed_gradient"
 ACCUMULATED = "accumulated"
 GRADIENT_READ_ELSEWHERE = "gradient_read_elsewhere"
 GRADIENT_FROM_OUTSIDE = "gradient_from_outside"

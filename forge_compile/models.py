@@ -83,3 +83,16 @@ def language_model_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy over a [batch, context + 1] block of tokens."""
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+
+
+def language_model_train_step(model: nn.Module, optimizer: torch.optim.Optimizer):
+    """The ordinary training step: loss, backward, step, zero_grad; returns the detached loss."""
+
+    def train_step(tokens: torch.Tensor) -> torch.Tensor:
+        loss = language_model_loss(model, tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return train_step

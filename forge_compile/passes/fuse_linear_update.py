@@ -239,7 +239,7 @@ def _shared_or_accumulated(add: Node) -> Rejection:
     ops_ = [f"aten.{s.target.__name__.split('.')[0]}" if isinstance(s, Node) and s.op == "call_function" else "?"
             for s in sources]  # fmt: skip
     return Rejection(
-        explain.SHARED_WEIGHT,
+        explain.SUMMED_GRADIENT,
         f"weight used by {len(sources)} ops ({', '.join(ops_)}): its gradient is a sum, as for tied or shared "
         "weights or several backward() calls",
     )

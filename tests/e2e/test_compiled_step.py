@@ -5,7 +5,7 @@ import torch
 from helpers import MLP, assert_close_params, max_param_error, mse_step, twin
 
 import forge_compile
-from forge_compile.models import TinyGPT, TinyGPTConfig, language_model_loss
+from forge_compile.models import TinyGPT, TinyGPTConfig, language_model_train_step
 
 STEPS = 6
 
@@ -50,18 +50,8 @@ def test_small_transformer_matches_torch_optim():
     opt = forge_compile.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     reference_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1)
 
-    def make_step(m, o):
-        def train_step(tokens):
-            loss = language_model_loss(m, tokens)
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            return loss.detach()
-
-        return train_step
-
-    step = torch.compile(make_step(model, opt), backend="forge")
-    reference_step = make_step(reference, reference_opt)
+    step = torch.compile(language_model_train_step(model, opt), backend="forge")
+    reference_step = language_model_train_step(reference, reference_opt)
     tokens = torch.randint(0, 256, (3, cfg.context + 1))
     report = forge_compile.explain(step, tokens)
     reference_step(tokens)
@@ -69,10 +59,10 @@ def test_small_transformer_matches_torch_optim():
         tokens = torch.randint(0, 256, (3, cfg.context + 1))
         torch.testing.assert_close(step(tokens), reference_step(tokens), rtol=1e-5, atol=1e-5)
     assert_close_params(model, reference, atol=1e-5)
-    # Names follow the function's own reference to the model: here the closure variable ``m``.
-    linears = {f"m.{n}.weight" for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    # Names follow the function's own reference to the model: here the closure variable ``model``.
+    linears = {f"model.{n}.weight" for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
     assert {d.name for d in report.fused} == linears
-    assert {d.name for d in report.rejected if len(d.shape) == 2} == {"m.tokens.weight", "m.positions.weight"}
+    assert {d.name for d in report.rejected if len(d.shape) == 2} == {"model.tokens.weight", "model.positions.weight"}
 
 
 def test_tied_weight_is_rejected_with_its_reason_and_still_right():
@@ -82,18 +72,8 @@ def test_tied_weight_is_rejected_with_its_reason_and_still_right():
     opt = forge_compile.optim.AdamW(model.parameters(), lr=1e-2)
     reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
 
-    def make_step(m, o):
-        def train_step(tokens):
-            loss = language_model_loss(m, tokens)
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            return loss.detach()
-
-        return train_step
-
-    step = torch.compile(make_step(model, opt), backend="forge")
-    reference_step = make_step(reference, reference_opt)
+    step = torch.compile(language_model_train_step(model, opt), backend="forge")
+    reference_step = language_model_train_step(reference, reference_opt)
     tokens = torch.randint(0, 256, (2, cfg.context + 1))
     report = forge_compile.explain(step, tokens)
     reference_step(tokens)
@@ -101,8 +81,8 @@ def test_tied_weight_is_rejected_with_its_reason_and_still_right():
         tokens = torch.randint(0, 256, (2, cfg.context + 1))
         step(tokens), reference_step(tokens)
     assert_close_params(model, reference, atol=1e-5)
-    tied = [d for d in report.rejected if d.name == "m.tokens.weight"]
-    assert len(tied) == 1 and tied[0].code == "shared_weight"
+    tied = [d for d in report.rejected if d.name == "model.tokens.weight"]
+    assert len(tied) == 1 and tied[0].code == "summed_gradient"
     assert "tied or shared weights" in tied[0].reason and "2 ops" in tied[0].reason
     assert not any("head" in d.name for d in report.fused)
 
@@ -236,3 +216,30 @@ def test_decisions_survive_an_inductor_cache_hit():
     assert [(d.name, d.fused, d.reason) for d in second.decisions] == [(d.name, d.fused, d.reason) for d in first.decisions]
     assert len(second.fused) == 3
     assert second.graphs[0].from_cache
+
+
+def test_accumulated_gradients_stay_unfused_and_right():
+    model = MLP()
+    reference = twin(model)
+
+    def make_step(m, o):
+        def train_step(x, y):
+            for xs, ys in zip(x.chunk(2), y.chunk(2)):  # two micro-batches, one update
+                (((m(xs) - ys) ** 2).mean() / 2).backward()
+            o.step()
+            o.zero_grad()
+
+        return train_step
+
+    step = torch.compile(make_step(model, forge_compile.optim.AdamW(model.parameters(), lr=1e-2)), backend="forge")
+    reference_step = make_step(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2))
+    x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
+    report = forge_compile.explain(step, x, y)
+    reference_step(x, y)
+    for _ in range(2):
+        x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
+        step(x, y), reference_step(x, y)
+    assert_close_params(model, reference, atol=1e-5)
+    weights = [d for d in report.rejected if len(d.shape) == 2]
+    assert not report.fused and len(weights) == 3
+    assert all(d.code in ("summed_gradient", "accumulated") and "backward() calls" in d.reason for d in weights), weights
