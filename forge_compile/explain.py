@@ -43,7 +43,7 @@ class Decision:
     """The optimizer rule (``adam``)."""
     fused: bool
     code: str
-    """``fused`` or a reason code (``shared_weight``, ``gradient_read_elsewhere``, ...)."""
+    """``fused`` or a reason code (``summed_gradient``, ``gradient_read_elsewhere``, ...)."""
     reason: str = ""
     """Why it was not fused, in plain words; empty when fused."""
     gradient_bytes: int = 0
