@@ -45,6 +45,27 @@ def assert_close_params(actual: nn.Module, expected: nn.Module, atol: float = 1e
         assert torch.isnan(a).eq(torch.isnan(e)).all(), f"{context} {name}: NaN pattern differs"
 
 
+def assert_matches_torch_optim(actual: nn.Module, expected: nn.Module, lr: float, steps: int, atol: float = 1e-5,
+                               outlier_fraction: float = 0.02):
+    """forge's weights against torch.optim's after ``steps`` Adam-family steps.
+
+    Adam divides by ``sqrt(v) + eps``, so where a gradient is near zero a 1e-7 rounding
+    difference (a different matmul blocking) moves that weight by up to ``lr`` per step;
+    torch's own compiled step differs from its eager step in the same way (seen: 16 of
+    938 weights of a small MLP by 7e-4). So: all but ``outlier_fraction`` of the elements
+    within ``atol``, and every element within ``2 * lr * steps``, Adam's largest possible
+    disagreement, with the same NaN pattern everywhere.
+    """
+    diffs = []
+    for (name, a), (_, e) in zip(actual.named_parameters(), expected.named_parameters()):
+        assert torch.isnan(a).eq(torch.isnan(e)).all(), f"{name}: NaN pattern differs"
+        diffs.append((a.detach().double() - e.detach().double()).abs().nan_to_num(0.0).flatten())
+    diff = torch.cat(diffs)
+    beyond = (diff > atol).double().mean().item()
+    assert beyond <= outlier_fraction, f"{beyond:.2%} of weights differ by more than {atol} (max {diff.max():.3g})"
+    assert diff.max().item() <= 2 * lr * steps, f"max abs error {diff.max():.3g} > 2 * lr * steps"
+
+
 def max_param_error(actual: nn.Module, expected: nn.Module) -> float:
     return max(
         (a.detach().double() - e.detach().double()).abs().max().item()
