@@ -66,9 +66,9 @@ def _check_update_arguments(rule_name, param, states, hyperparameters, options):
     expected = sum(rule.active_states(tuple(options)))
     if len(states) != expected:
         raise ValueError(f"forge: rule {rule_name} with options {list(options)} takes {expected} states, got {len(states)}")
-    if len(hyperparameters) != len(rule.hyperparameters):
+    if len(hyperparameters) != len(rule.scalar_inputs):
         raise ValueError(
-            f"forge: rule {rule_name} takes hyperparameters {rule.hyperparameters}, got {len(hyperparameters)} tensors"
+            f"forge: rule {rule_name} takes hyperparameters {rule.scalar_inputs}, got {len(hyperparameters)} tensors"
         )
     for s in states:
         if s.shape != param.shape:
@@ -95,7 +95,9 @@ def optimizer_update(
     """One parameter's optimizer update, functional: returns [new param, *new states].
 
     ``step`` is the already incremented step count (0-d), ``hyperparameters`` the rule's
-    0-d tensors in the rule's order, ``options`` its static switches.
+    0-d tensors in the rule's order (``Rule.scalar_inputs``: the group's hyperparameters,
+    then per-parameter scalar states such as NAdam's ``mu_product``, already advanced),
+    ``options`` its static switches.
 
     Example::
 

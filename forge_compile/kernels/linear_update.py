@@ -57,7 +57,7 @@ def _autotune(**kwargs):
 @triton.jit
 def _fused_linear_update_kernel(
     w_ptr, a_ptr, b_ptr, s0_ptr, s1_ptr, s2_ptr,
-    step_ptr, h0_ptr, h1_ptr, h2_ptr, h3_ptr, h4_ptr, h5_ptr,
+    step_ptr, h0_ptr, h1_ptr, h2_ptr, h3_ptr, h4_ptr, h5_ptr, h6_ptr, h7_ptr,
     M, N, K,
     stride_wm, stride_wn, stride_am, stride_ak, stride_bk, stride_bn,
     stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
@@ -100,10 +100,11 @@ def _fused_linear_update_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     # Per-step scalars, once per program, in fp64; the tile math is fp32.
-    c0, c1, c2, c3, c4, c5, c6, c7 = COEFFICIENTS(
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9 = COEFFICIENTS(
         tl.load(step_ptr).to(tl.float64),
         tl.load(h0_ptr).to(tl.float64), tl.load(h1_ptr).to(tl.float64), tl.load(h2_ptr).to(tl.float64),
         tl.load(h3_ptr).to(tl.float64), tl.load(h4_ptr).to(tl.float64), tl.load(h5_ptr).to(tl.float64),
+        tl.load(h6_ptr).to(tl.float64), tl.load(h7_ptr).to(tl.float64),
     )  # fmt: skip
 
     mask = mask_m[:, None] & mask_n[None, :]
@@ -126,6 +127,7 @@ def _fused_linear_update_kernel(
         w, acc, s0, s1, s2,
         c0.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32), c3.to(tl.float32),
         c4.to(tl.float32), c5.to(tl.float32), c6.to(tl.float32), c7.to(tl.float32),
+        c8.to(tl.float32), c9.to(tl.float32),
         O0, O1, O2, O3,
     )  # fmt: skip
 

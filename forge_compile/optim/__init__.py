@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import torch
 
+from .adagrad import Adagrad
 from .adam import Adam, AdamW
 from .base import ForgeOptimizer, attach
+from .lion import Lion
+from .nadam import NAdam
+from .radam import RAdam
+from .rmsprop import RMSprop
+from .sgd import SGD
 
-__all__ = ["Adam", "AdamW", "ForgeOptimizer", "attach", "forge_class_for"]
+__all__ = ["SGD", "Adagrad", "Adam", "AdamW", "ForgeOptimizer", "Lion", "NAdam", "RAdam", "RMSprop", "attach",
+           "forge_class_for"]  # fmt: skip
 
 _FORGE_CLASSES: dict[type, type] = {
+    torch.optim.SGD: SGD,
+    torch.optim.RMSprop: RMSprop,
+    torch.optim.Adagrad: Adagrad,
     torch.optim.Adam: Adam,
     torch.optim.AdamW: AdamW,
+    torch.optim.NAdam: NAdam,
+    torch.optim.RAdam: RAdam,
 }
 
 # torch.optim classes whose update needs the whole gradient (or a closure), so no
@@ -44,4 +56,7 @@ def forge_class_for(torch_class: type) -> type:
             f"forge: {name} subclasses a torch optimizer and may change its step(); forge converts only the "
             f"torch classes themselves ({supported}). Build forge's class instead"
         )
-    raise TypeError(f"forge: cannot convert {name}; forge supports {supported}")
+    raise TypeError(
+        f"forge: cannot convert {name}; forge supports {supported} and forge_compile.optim.Lion. "
+        "Keep it and compile with backend='inductor'"
+    )

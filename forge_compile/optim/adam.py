@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ._common import nonzero
 from .base import ForgeOptimizer
 
 
@@ -12,15 +13,11 @@ class _AdamFamily(ForgeOptimizer):
 
     def _forge_options(self, group):
         decoupled = group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW))
-        return (decoupled, group["amsgrad"], group["maximize"], _nonzero(group["weight_decay"]))
+        return (decoupled, group["amsgrad"], group["maximize"], nonzero(group["weight_decay"]))
 
     def _forge_hyperparameter_values(self, group):
         beta1, beta2 = group["betas"]
         return (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
-
-
-def _nonzero(value) -> bool:
-    return bool(value != 0) if not isinstance(value, torch.Tensor) else True
 
 
 class Adam(_AdamFamily, torch.optim.Adam):

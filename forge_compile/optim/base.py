@@ -88,6 +88,7 @@ class _GroupView:
 
     def __init__(self, optimizer: "ForgeOptimizer"):
         self._optimizer = optimizer
+        self.group: dict = {}
         self.params: list[Tensor] = []
         self.options: tuple[int, ...] = ()
         self.state_keys: tuple[str, ...] = ()
@@ -99,6 +100,7 @@ class _GroupView:
         """Re-read ``group`` after a write of ``keys`` (None: everything)."""
         opt = self._optimizer
         rule = opt._forge_rule
+        self.group = group
         params_changed = keys is None or "params" in keys
         if params_changed:
             self.params = list(group["params"])
@@ -123,11 +125,12 @@ class _GroupView:
         if isinstance(value, Tensor):
             if value.numel() != 1:
                 raise ValueError(f"forge: hyperparameter {name} must be a scalar tensor, got shape {tuple(value.shape)}")
-            if value.device != device:
+            if value.device != device and value.device.type != "cpu":
                 raise ValueError(
                     f"forge: hyperparameter {name} is a tensor on {value.device} but its parameters are on {device}; "
-                    f"put it on {device} or pass a float"
+                    f"put it on {device} or the CPU, or pass a float"
                 )
+            # The user's own tensor (a scheduler writes into it); the step copies a CPU one over.
             return value.reshape(())
         key = (device, slot)
         value = float(value)
@@ -145,6 +148,10 @@ class ForgeOptimizer:
     """Mixin placed before a torch.optim class; see the module docstring."""
 
     _forge_rule_name: ClassVar[str]
+    _forge_hidden_state_keys: ClassVar[tuple[str, ...]] = ()
+    """State forge keeps that torch's class does not (SGD's step count); left out of state_dict()."""
+    _forge_state_from_construction: ClassVar[bool] = False
+    """torch's class creates every entry in __init__ (Adagrad): state_dict() keeps unstepped ones."""
 
     @property
     def _forge_rule(self) -> rules.Rule:
@@ -193,16 +200,25 @@ class ForgeOptimizer:
 
     def _forge_complete_state(self, p: Tensor, view: _GroupView) -> None:
         state = self.state[p]
-        step = state.get("step")
-        if step is None:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        elif not isinstance(step, Tensor) or step.device != p.device or step.dtype != torch.float32:
-            state["step"] = torch.as_tensor(step, dtype=torch.float32).to(p.device)
+        rule = self._forge_rule
+        initial = {"step": self._forge_initial_step(state)}
+        initial.update(zip(rule.scalar_states, rule.scalar_initial_values))
+        for key, value in initial.items():
+            # 0-d fp32 on the parameter's device, as torch's capturable mode keeps them.
+            current = state.get(key)
+            if current is None:
+                state[key] = torch.full((), value, dtype=torch.float32, device=p.device)
+            elif not isinstance(current, Tensor) or current.device != p.device or current.dtype != torch.float32:
+                state[key] = torch.as_tensor(current, dtype=torch.float32).to(p.device)
         for key in view.state_keys:
             if key not in state:
-                state[key] = self._forge_initial_state(p, key)
+                state[key] = self._forge_initial_state(p, key, view)
 
-    def _forge_initial_state(self, p: Tensor, key: str) -> Tensor:
+    def _forge_initial_step(self, state: dict) -> float:
+        """The step count of a parameter whose state has none (new, or loaded from torch)."""
+        return 0.0
+
+    def _forge_initial_state(self, p: Tensor, key: str, view: _GroupView) -> Tensor:
         return torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -224,10 +240,16 @@ class ForgeOptimizer:
                 )
             self._forge_traced_step()
             return None
+        return self._forge_eager_step(closure)
+
+    def _forge_eager_step(self, closure):
+        """A step outside torch.compile: torch's own."""
         return super().step(closure)
 
     @torch.no_grad()
     def _forge_traced_step(self) -> None:
+        """Every parameter's update as one ``forge::optimizer_update``; eager too where torch has no class."""
+        rule = self._forge_rule
         rule_name = self._forge_rule_name
         for view in self._forge_groups:
             indices = [i for i, p in enumerate(view.params) if p.grad is not None]
@@ -243,8 +265,20 @@ class ForgeOptimizer:
                 p = view.params[i]
                 state = self.state[p]
                 states = [state[key] for key in view.state_keys]
+                # A hyperparameter given as a CPU tensor follows the parameter to its device.
+                hyperparameters = [h if h.device == p.device else h.to(p.device) for h in view.hyperparameters[i]]
+                if rule.scalar_states:
+                    scalars = [state[key] for key in rule.scalar_states]
+                    advanced = rule.torch_advance(
+                        state["step"].to(torch.float64),
+                        *[h.to(torch.float64) for h in hyperparameters],
+                        *[s.to(torch.float64) for s in scalars],
+                    )
+                    for scalar, value in zip(scalars, advanced):
+                        scalar.copy_(value)
+                    hyperparameters = hyperparameters + scalars
                 new = torch.ops.forge.optimizer_update(
-                    p, p.grad, states, state["step"], view.hyperparameters[i], rule_name, options
+                    p, p.grad, states, state["step"], hyperparameters, rule_name, options
                 )
                 p.copy_(new[0])
                 for old, value in zip(states, new[1:]):
@@ -271,14 +305,19 @@ class ForgeOptimizer:
             for index in group["params"]:
                 groups_by_index[index] = group
         state = {}
+        scalar_keys = ("step", *self._forge_rule.scalar_states)
         for index, entry in sd["state"].items():
             step = entry.get("step")
-            if isinstance(step, Tensor) and float(step) == 0.0:
+            if not self._forge_state_from_construction and isinstance(step, Tensor) and float(step) == 0.0:
                 continue  # created up front, never stepped: torch would have no entry
-            entry = dict(entry)
+            entry = {key: value for key, value in entry.items() if key not in self._forge_hidden_state_keys}
+            if not entry:
+                continue
             group = groups_by_index.get(index, {})
-            if isinstance(step, Tensor) and not (group.get("capturable") or group.get("fused")):
-                entry["step"] = step.detach().to("cpu", torch.float32)  # torch's non-capturable format
+            for key in scalar_keys:
+                value = entry.get(key)
+                if isinstance(value, Tensor) and not (group.get("capturable") or group.get("fused")):
+                    entry[key] = value.detach().to("cpu", torch.float32)  # torch's non-capturable format
             state[index] = entry
         sd["state"] = state
         return sd

@@ -3,18 +3,27 @@
 A rule is two small functions written once, in Triton's dialect (``tl.*`` calls,
 arithmetic operators, ``if`` on static switches):
 
-* ``coefficients(step, h0, ..., h5)`` turns the step count and the hyperparameters
-  into per-step scalars (bias corrections, decay factors). It runs once per step:
-  once per program in the fused kernel, once per call in the torch paths.
-* ``elementwise(param, grad, s0, s1, s2, c0, ..., c7, O0, ..., O3)`` updates one
+* ``coefficients(step, h0, ..., h7)`` turns the step count and the hyperparameters
+  into per-step scalars (bias corrections, decay factors, RAdam's rectification). It
+  runs once per step: once per program in the fused kernel, once per call in the torch
+  paths, never per element.
+* ``elementwise(param, grad, s0, s1, s2, c0, ..., c9, O0, ..., O3)`` updates one
   tile (or tensor) of the weight and its states in fp32.
+
+A rule whose state includes per-parameter scalars (NAdam's ``mu_product``) names them
+in ``scalar_states`` and gives ``advance(step, h0, ..., scalar states)``, which the
+optimizer runs once per step on those 0-d tensors before the update; their new values
+follow the hyperparameters into ``coefficients``. Helpers the rules share are
+``@triton.jit`` functions (:mod:`forge_compile.rules.common`); the torch dialect
+rebinds them too.
 
 The same Python function objects serve three implementations:
 
 * the fused Triton kernel calls ``triton.jit`` versions of them in its epilogue;
-* the CPU implementation of the fused op and the unfused Inductor path call them
-  with ``tl`` bound to :mod:`forge_compile.rules.torch_dialect`, which maps the few
-  ``tl`` names the rules use onto torch operations.
+* the CPU implementation of the fused op, the unfused Inductor path and the
+  optimizer's own per-step scalar code call them with ``tl`` bound to
+  :mod:`forge_compile.rules.torch_dialect`, which maps the few ``tl`` names the rules
+  use onto torch operations.
 
 So the fused, the CPU and the unfused paths cannot drift apart: there is one text.
 The slots are positional and fixed in number so that one kernel serves every rule;
@@ -29,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 MAX_STATES = 3
-MAX_HYPERPARAMETERS = 6
-MAX_COEFFICIENTS = 8
+MAX_HYPERPARAMETERS = 8
+MAX_COEFFICIENTS = 10
 MAX_OPTIONS = 4
 
 
@@ -50,14 +59,33 @@ class Rule:
     elementwise: Callable = field(repr=False)
     active_states: Callable[[tuple[int, ...]], tuple[bool, ...]] = field(repr=False)
     """Which state slots exist for given option values (amsgrad adds one)."""
+    scalar_states: tuple[str, ...] = ()
+    """Per-parameter 0-d states (torch.optim keys), after the hyperparameters in ``coefficients``."""
+    scalar_initial_values: tuple[float, ...] = ()
+    """Their values before the first step (NAdam's ``mu_product`` starts at 1)."""
+    advance: Callable | None = field(default=None, repr=False)
+    """``advance(step, *hyperparameters, *scalar_states)``: the scalar states' values for this step."""
 
     def __post_init__(self):
         if len(self.state_keys) > MAX_STATES:
             raise ValueError(f"rule {self.name}: at most {MAX_STATES} states")
-        if len(self.hyperparameters) > MAX_HYPERPARAMETERS:
-            raise ValueError(f"rule {self.name}: at most {MAX_HYPERPARAMETERS} hyperparameters")
+        if len(self.hyperparameters) + len(self.scalar_states) > MAX_HYPERPARAMETERS:
+            raise ValueError(f"rule {self.name}: at most {MAX_HYPERPARAMETERS} hyperparameters and scalar states")
         if len(self.options) > MAX_OPTIONS:
             raise ValueError(f"rule {self.name}: at most {MAX_OPTIONS} options")
+        if len(self.scalar_initial_values) != len(self.scalar_states) or (
+            bool(self.scalar_states) != (self.advance is not None)
+        ):
+            raise ValueError(f"rule {self.name}: scalar states need initial values and an advance function")
+
+    @property
+    def scalar_inputs(self) -> tuple[str, ...]:
+        """What the ops' ``hyperparameters`` list holds: the group's hyperparameters, then the scalar states."""
+        return self.hyperparameters + self.scalar_states
+
+    @functools.cached_property
+    def torch_advance(self) -> Callable:
+        return _in_torch_dialect(self.advance)
 
     @functools.cached_property
     def torch_coefficients(self) -> Callable:
@@ -80,14 +108,29 @@ class Rule:
         return triton.jit(self.elementwise)
 
 
-def _in_torch_dialect(fn: Callable) -> Callable:
-    """The same function with the global name ``tl`` bound to the torch dialect."""
+def _in_torch_dialect(fn: Callable, _done: dict | None = None) -> Callable:
+    """The same function with the global name ``tl`` bound to the torch dialect.
+
+    ``@triton.jit`` helpers it calls are rebound the same way, so shared pieces
+    (:mod:`forge_compile.rules.common`) serve both dialects as well.
+    """
+    import triton
+
     from . import torch_dialect
 
+    done = {} if _done is None else _done
+    fn = getattr(fn, "fn", fn)  # a JITFunction's Python function
+    if fn in done:
+        return done[fn]
     scope = dict(fn.__globals__)
     scope["tl"] = torch_dialect
     clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     clone.__qualname__ = fn.__qualname__
+    done[fn] = clone
+    for name, value in fn.__globals__.items():
+        # triton.jit gives a JITFunction, or under TRITON_INTERPRET=1 an InterpretedFunction.
+        if isinstance(value, triton.runtime.KernelInterface) and callable(getattr(value, "fn", None)):
+            scope[name] = _in_torch_dialect(value.fn, done)
     return clone
 
 
@@ -102,13 +145,19 @@ def register(rule: Rule) -> Rule:
 
 
 def get(name: str) -> Rule:
-    _load_builtin_rules()
+    if not _builtin_rules_loaded:
+        _load_builtin_rules()
     try:
         return _RULES[name]
     except KeyError:
         raise KeyError(f"forge: unknown optimizer rule {name!r}; known: {sorted(_RULES)}") from None
 
 
-@functools.cache
+_builtin_rules_loaded = False
+
+
 def _load_builtin_rules() -> None:
-    from . import adam  # noqa: F401
+    global _builtin_rules_loaded
+    from . import adagrad, adam, lion, nadam, radam, rmsprop, sgd  # noqa: F401
+
+    _builtin_rules_loaded = True

@@ -9,9 +9,10 @@ torch's two-sided formula), ``v * beta2 + (1 - beta2) * g * g`` for the second, 
 import triton.language as tl
 
 from . import Rule, register
+from .common import lerp
 
 
-def adam_coefficients(step, lr, beta1, beta2, eps, weight_decay, _unused):
+def adam_coefficients(step, lr, beta1, beta2, eps, weight_decay, _h5, _h6, _h7):
     # fp64 scalars, once per step. beta ** step as exp(step * log(beta)): Triton has no
     # scalar pow, and fp64 keeps it within 1e-15 of torch's Python float pow.
     bias_correction1 = 1.0 - tl.exp(step * tl.log(beta1))
@@ -19,12 +20,13 @@ def adam_coefficients(step, lr, beta1, beta2, eps, weight_decay, _unused):
     step_size = lr / bias_correction1
     bias_correction2_sqrt = tl.sqrt(bias_correction2)
     decay = 1.0 - lr * weight_decay
-    return (-step_size, bias_correction2_sqrt, 1.0 - beta1, beta2, 1.0 - beta2, eps, decay, weight_decay)
+    unused = step  # the last two slots (a value of the right kind for the kernel to pass on)
+    return (-step_size, bias_correction2_sqrt, 1.0 - beta1, beta2, 1.0 - beta2, eps, decay, weight_decay, unused, unused)
 
 
 def adam_elementwise(
     param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-    neg_step_size, bias_correction2_sqrt, one_minus_beta1, beta2, one_minus_beta2, eps, decay, weight_decay,
+    neg_step_size, bias_correction2_sqrt, one_minus_beta1, beta2, one_minus_beta2, eps, decay, weight_decay, _c8, _c9,
     DECOUPLED_WEIGHT_DECAY, AMSGRAD, MAXIMIZE, WEIGHT_DECAY,
 ):  # fmt: skip
     if MAXIMIZE:
@@ -34,12 +36,7 @@ def adam_elementwise(
             param = param * decay
         else:
             grad = grad + weight_decay * param
-    # torch.lerp: start + w * (end - start) for w < 0.5, else end - (end - start) * (1 - w)
-    exp_avg = tl.where(
-        tl.abs(one_minus_beta1) < 0.5,
-        exp_avg + one_minus_beta1 * (grad - exp_avg),
-        grad - (grad - exp_avg) * (1.0 - one_minus_beta1),
-    )
+    exp_avg = lerp(exp_avg, grad, one_minus_beta1)
     exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * grad * grad
     if AMSGRAD:
         max_exp_avg_sq = tl.maximum(max_exp_avg_sq, exp_avg_sq, propagate_nan=tl.PropagateNan.ALL)
