@@ -177,3 +177,30 @@ def _fused_linear_update_torch(rule, weight, grad_output_t, input, states, step,
         weight[rows].copy_(new_weight)
         for state, new in zip(states, new_states):
             state[rows].copy_(new)
+
+
+@torch.library.custom_op("forge::advance_scalar_states", mutates_args=())
+def advance_scalar_states(
+    step: Tensor, hyperparameters: list[Tensor], scalar_states: list[Tensor], rule: str
+) -> list[Tensor]:
+    """A rule's per-parameter scalar states for this step (NAdam's ``mu_product * mu_t``).
+
+    An op rather than traced code: the rule runs in the torch dialect, whose rebound
+    globals Dynamo cannot guard on.
+
+    Example::
+
+        [mu_product] = torch.ops.forge.advance_scalar_states(step, [lr, b1, b2, eps, wd, md], [mu_product], "nadam")
+    """
+    the_rule = rules.get(rule)
+    advanced = the_rule.torch_advance(
+        step.to(torch.float64),
+        *[h.to(torch.float64) for h in hyperparameters],
+        *[s.to(torch.float64) for s in scalar_states],
+    )
+    return [value.to(s.dtype).clone() for value, s in zip(advanced, scalar_states)]
+
+
+@advance_scalar_states.register_fake
+def _advance_scalar_states_fake(step, hyperparameters, scalar_states, rule):
+    return [torch.empty_like(s) for s in scalar_states]

@@ -269,11 +269,7 @@ class ForgeOptimizer:
                 hyperparameters = [h if h.device == p.device else h.to(p.device) for h in view.hyperparameters[i]]
                 if rule.scalar_states:
                     scalars = [state[key] for key in rule.scalar_states]
-                    advanced = rule.torch_advance(
-                        state["step"].to(torch.float64),
-                        *[h.to(torch.float64) for h in hyperparameters],
-                        *[s.to(torch.float64) for s in scalars],
-                    )
+                    advanced = torch.ops.forge.advance_scalar_states(state["step"], hyperparameters, scalars, rule_name)
                     for scalar, value in zip(scalars, advanced):
                         scalar.copy_(value)
                     hyperparameters = hyperparameters + scalars
