@@ -82,13 +82,13 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1, arg7_1
     where = torch.ops.aten.where.self(le, full_default_1, mm_3)
     permute_6 = torch.ops.aten.permute.default(where, [1, 0])
     mm_4 = torch.ops.aten.mm.default(permute_6, arg1_1)
-    optimizer_update = torch.ops.forge.optimizer_update.default(arg0_1, mm_4, [arg6_1, arg7_1], getitem, [arg8_1, arg9_1, arg10_1, arg11_1, arg12_1], 'adam', [1, 0, 0, 1])
+    optimizer_update = torch.ops.forge.optimizer_update.default(arg0_1, mm_4, [arg11_1, arg12_1], getitem, [arg6_1, arg7_1, arg8_1, arg9_1, arg10_1], 'adam', [1, 0, 0, 1])
     getitem_2 = optimizer_update[0]
     getitem_3 = optimizer_update[1]
     getitem_4 = optimizer_update[2]
     permute_2 = torch.ops.aten.permute.default(mul_1, [1, 0])
     mm_2 = torch.ops.aten.mm.default(permute_2, relu)
-    optimizer_update_1 = torch.ops.forge.optimizer_update.default(arg2_1, mm_2, [arg13_1, arg14_1], getitem_1, [arg8_1, arg9_1, arg10_1, arg11_1, arg12_1], 'adam', [1, 0, 0, 1])
+    optimizer_update_1 = torch.ops.forge.optimizer_update.default(arg2_1, mm_2, [arg13_1, arg14_1], getitem_1, [arg6_1, arg7_1, arg8_1, arg9_1, arg10_1], 'adam', [1, 0, 0, 1])
     getitem_5 = optimizer_update_1[0]
     getitem_6 = optimizer_update_1[1]
     getitem_7 = optimizer_update_1[2]
@@ -96,8 +96,8 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1, arg7_1
     copy__1 = torch.ops.aten.copy_.default(arg2_1, getitem_5)
     copy__2 = torch.ops.aten.copy_.default(arg4_1, getitem)
     copy__3 = torch.ops.aten.copy_.default(arg5_1, getitem_1)
-    copy__4 = torch.ops.aten.copy_.default(arg6_1, getitem_3)
-    copy__5 = torch.ops.aten.copy_.default(arg7_1, getitem_4)
+    copy__4 = torch.ops.aten.copy_.default(arg11_1, getitem_3)
+    copy__5 = torch.ops.aten.copy_.default(arg12_1, getitem_4)
     copy__6 = torch.ops.aten.copy_.default(arg13_1, getitem_6)
     copy__7 = torch.ops.aten.copy_.default(arg14_1, getitem_7)
     return (mean,)""")
@@ -127,10 +127,10 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1, arg7_1
     permute_4 = torch.ops.aten.permute.default(permute_1, [1, 0])
     mm_3 = torch.ops.aten.mm.default(mul_1, permute_4)
     permute_2 = torch.ops.aten.permute.default(mul_1, [1, 0])
-    fused_linear_update__default_1 = torch.ops.forge.fused_linear_update_.default(arg2_1, permute_2, relu, [arg13_1, arg14_1], getitem_1, [arg8_1, arg9_1, arg10_1, arg11_1, arg12_1], 'adam', [1, 0, 0, 1])
+    fused_linear_update__default_1 = torch.ops.forge.fused_linear_update_.default(arg2_1, permute_2, relu, [arg13_1, arg14_1], getitem_1, [arg6_1, arg7_1, arg8_1, arg9_1, arg10_1], 'adam', [1, 0, 0, 1])
     where = torch.ops.aten.where.self(le, full_default_1, mm_3)
     permute_6 = torch.ops.aten.permute.default(where, [1, 0])
-    fused_linear_update__default = torch.ops.forge.fused_linear_update_.default(arg0_1, permute_6, arg1_1, [arg6_1, arg7_1], getitem, [arg8_1, arg9_1, arg10_1, arg11_1, arg12_1], 'adam', [1, 0, 0, 1])
+    fused_linear_update__default = torch.ops.forge.fused_linear_update_.default(arg0_1, permute_6, arg1_1, [arg11_1, arg12_1], getitem, [arg6_1, arg7_1, arg8_1, arg9_1, arg10_1], 'adam', [1, 0, 0, 1])
     copy__2 = torch.ops.aten.copy_.default(arg4_1, getitem)
     copy__3 = torch.ops.aten.copy_.default(arg5_1, getitem_1)
     return (mean,)""")
