@@ -198,7 +198,7 @@ def advance_scalar_states(
         *[h.to(torch.float64) for h in hyperparameters],
         *[s.to(torch.float64) for s in scalar_states],
     )
-    return [value.to(s.dtype).clone() for value, s in zip(advanced, scalar_states)]
+    return [_distinct_output(value, s) for value, s in zip(advanced, scalar_states)]
 
 
 @advance_scalar_states.register_fake

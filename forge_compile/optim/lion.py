@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._common import nonzero
 from .base import ForgeOptimizer
 
 
@@ -39,7 +40,7 @@ class Lion(ForgeOptimizer, torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def _forge_options(self, group):
-        return (group["maximize"], group["weight_decay"] != 0 or isinstance(group["weight_decay"], Tensor))
+        return (group["maximize"], nonzero(group["weight_decay"]))
 
     def _forge_hyperparameter_values(self, group):
         beta1, beta2 = group["betas"]

@@ -8,6 +8,7 @@ the state.
 import triton.language as tl
 
 from . import Rule, register
+from .common import maximize_and_decay
 
 
 def adagrad_coefficients(step, lr, lr_decay, weight_decay, eps, _h4, _h5, _h6, _h7):
@@ -21,10 +22,7 @@ def adagrad_elementwise(
     neg_decayed_lr, weight_decay, eps, _c3, _c4, _c5, _c6, _c7, _c8, _c9,
     MAXIMIZE, WEIGHT_DECAY, _O2, _O3,
 ):  # fmt: skip
-    if MAXIMIZE:
-        grad = -grad
-    if WEIGHT_DECAY:
-        grad = grad + weight_decay * param
+    param, grad = maximize_and_decay(param, grad, weight_decay, weight_decay, MAXIMIZE, WEIGHT_DECAY, False)
     state_sum = state_sum + grad * grad
     std = tl.sqrt_rn(state_sum) + eps
     param = param + neg_decayed_lr * tl.div_rn(grad, std)

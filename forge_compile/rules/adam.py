@@ -9,7 +9,7 @@ torch's two-sided formula), ``v * beta2 + (1 - beta2) * g * g`` for the second, 
 import triton.language as tl
 
 from . import Rule, register
-from .common import lerp
+from .common import adam_moments, maximize_and_decay
 
 
 def adam_coefficients(step, lr, beta1, beta2, eps, weight_decay, _h5, _h6, _h7):
@@ -29,15 +29,8 @@ def adam_elementwise(
     neg_step_size, bias_correction2_sqrt, one_minus_beta1, beta2, one_minus_beta2, eps, decay, weight_decay, _c8, _c9,
     DECOUPLED_WEIGHT_DECAY, AMSGRAD, MAXIMIZE, WEIGHT_DECAY,
 ):  # fmt: skip
-    if MAXIMIZE:
-        grad = -grad
-    if WEIGHT_DECAY:
-        if DECOUPLED_WEIGHT_DECAY:
-            param = param * decay
-        else:
-            grad = grad + weight_decay * param
-    exp_avg = lerp(exp_avg, grad, one_minus_beta1)
-    exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * grad * grad
+    param, grad = maximize_and_decay(param, grad, decay, weight_decay, MAXIMIZE, WEIGHT_DECAY, DECOUPLED_WEIGHT_DECAY)
+    exp_avg, exp_avg_sq = adam_moments(exp_avg, exp_avg_sq, grad, one_minus_beta1, beta2, one_minus_beta2)
     if AMSGRAD:
         max_exp_avg_sq = tl.maximum(max_exp_avg_sq, exp_avg_sq, propagate_nan=tl.PropagateNan.ALL)
         denom = tl.div_rn(tl.sqrt_rn(max_exp_avg_sq), bias_correction2_sqrt) + eps

@@ -8,10 +8,9 @@ torch has no Lion; forge's follows the paper with decoupled weight decay. A zero
 interpolation has sign 0, so it leaves the weight unchanged (apart from decay).
 """
 
-import triton.language as tl
 
 from . import Rule, register
-from .common import lerp, sign
+from .common import lerp, maximize_and_decay, sign
 
 
 def lion_coefficients(step, lr, beta1, beta2, weight_decay, _h4, _h5, _h6, _h7):
@@ -24,10 +23,7 @@ def lion_elementwise(
     neg_lr, one_minus_beta1, one_minus_beta2, decay, _c4, _c5, _c6, _c7, _c8, _c9,
     MAXIMIZE, WEIGHT_DECAY, _O2, _O3,
 ):  # fmt: skip
-    if MAXIMIZE:
-        grad = -grad
-    if WEIGHT_DECAY:
-        param = param * decay
+    param, grad = maximize_and_decay(param, grad, decay, decay, MAXIMIZE, WEIGHT_DECAY, True)
     param = param + neg_lr * sign(lerp(exp_avg, grad, one_minus_beta1))
     exp_avg = lerp(exp_avg, grad, one_minus_beta2)
     return param, exp_avg, _s1, _s2

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from . import Rule, register
-from .common import lerp
+from .common import adam_moments, maximize_and_decay
 
 
 @triton.jit
@@ -42,15 +42,8 @@ def nadam_elementwise(
     _c9,
     DECOUPLED_WEIGHT_DECAY, MAXIMIZE, WEIGHT_DECAY, _O3,
 ):  # fmt: skip
-    if MAXIMIZE:
-        grad = -grad
-    if WEIGHT_DECAY:
-        if DECOUPLED_WEIGHT_DECAY:
-            param = param * decay
-        else:
-            grad = grad + weight_decay * param
-    exp_avg = lerp(exp_avg, grad, one_minus_beta1)
-    exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * grad * grad
+    param, grad = maximize_and_decay(param, grad, decay, weight_decay, MAXIMIZE, WEIGHT_DECAY, DECOUPLED_WEIGHT_DECAY)
+    exp_avg, exp_avg_sq = adam_moments(exp_avg, exp_avg_sq, grad, one_minus_beta1, beta2, one_minus_beta2)
     denom = tl.sqrt_rn(tl.div_rn(exp_avg_sq, bias_correction2)) + eps
     param = param + grad_weight * tl.div_rn(grad, denom)
     param = param + exp_avg_weight * tl.div_rn(exp_avg, denom)

@@ -9,7 +9,7 @@ the flip at step 6 does not recompile.
 import triton.language as tl
 
 from . import Rule, register
-from .common import lerp
+from .common import adam_moments, maximize_and_decay
 
 
 def radam_coefficients(step, lr, beta1, beta2, eps, weight_decay, _h5, _h6, _h7):
@@ -34,15 +34,8 @@ def radam_elementwise(
     weight_decay,
     DECOUPLED_WEIGHT_DECAY, MAXIMIZE, WEIGHT_DECAY, _O3,
 ):  # fmt: skip
-    if MAXIMIZE:
-        grad = -grad
-    if WEIGHT_DECAY:
-        if DECOUPLED_WEIGHT_DECAY:
-            param = param * decay
-        else:
-            grad = grad + weight_decay * param
-    exp_avg = lerp(exp_avg, grad, one_minus_beta1)
-    exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * grad * grad
+    param, grad = maximize_and_decay(param, grad, decay, weight_decay, MAXIMIZE, WEIGHT_DECAY, DECOUPLED_WEIGHT_DECAY)
+    exp_avg, exp_avg_sq = adam_moments(exp_avg, exp_avg_sq, grad, one_minus_beta1, beta2, one_minus_beta2)
     unrectified = tl.div_rn(exp_avg, bias_correction1) * lr
     adaptive_lr = tl.div_rn(bias_correction2_sqrt, tl.sqrt_rn(exp_avg_sq) + eps)
     rectified = unrectified * adaptive_lr * rectification

@@ -8,7 +8,7 @@ In torch's operation order (``_single_tensor_rmsprop``): ``square_avg * alpha +
 import triton.language as tl
 
 from . import Rule, register
-from .common import lerp
+from .common import lerp, maximize_and_decay
 
 
 def rmsprop_coefficients(step, lr, alpha, eps, weight_decay, momentum, _h5, _h6, _h7):
@@ -21,10 +21,7 @@ def rmsprop_elementwise(
     neg_lr, alpha, one_minus_alpha, eps, weight_decay, momentum, _c6, _c7, _c8, _c9,
     CENTERED, MOMENTUM, MAXIMIZE, WEIGHT_DECAY,
 ):  # fmt: skip
-    if MAXIMIZE:
-        grad = -grad
-    if WEIGHT_DECAY:
-        grad = grad + weight_decay * param
+    param, grad = maximize_and_decay(param, grad, weight_decay, weight_decay, MAXIMIZE, WEIGHT_DECAY, False)
     square_avg = square_avg * alpha + one_minus_alpha * grad * grad
     if CENTERED:
         grad_avg = lerp(grad_avg, grad, one_minus_alpha)

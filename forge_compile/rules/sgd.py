@@ -10,6 +10,7 @@ count that tells the first step apart is per-step scalar math, so it never recom
 import triton.language as tl
 
 from . import Rule, register
+from .common import maximize_and_decay
 
 
 def sgd_coefficients(step, lr, momentum, dampening, weight_decay, _h4, _h5, _h6, _h7):
@@ -25,10 +26,7 @@ def sgd_elementwise(
     neg_lr, momentum, buffer_decay, gradient_weight, weight_decay, _c5, _c6, _c7, _c8, _c9,
     MOMENTUM, NESTEROV, MAXIMIZE, WEIGHT_DECAY,
 ):  # fmt: skip
-    if MAXIMIZE:
-        grad = -grad
-    if WEIGHT_DECAY:
-        grad = grad + weight_decay * param
+    param, grad = maximize_and_decay(param, grad, weight_decay, weight_decay, MAXIMIZE, WEIGHT_DECAY, False)
     if MOMENTUM:
         momentum_buffer = momentum_buffer * buffer_decay + gradient_weight * grad
         if NESTEROV:

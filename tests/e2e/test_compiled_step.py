@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import MLP, assert_matches_torch_optim, max_param_error, mse_step, twin
+from helpers import MLP, assert_matches_torch_optim, max_param_error, mse_step, train_mlp_side_by_side, twin
 
 import forge_compile
 from forge_compile.models import TinyGPT, TinyGPTConfig, language_model_train_step
@@ -30,12 +30,7 @@ def test_mlp_with_3d_inputs_matches_torch_optim(torch_class, settings):
     reference = twin(model)
     step = torch.compile(mse_step(model, _forge(torch_class, model, settings)), backend="forge")
     reference_step = mse_step(reference, torch_class(reference.parameters(), **settings))
-    x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
-    report = forge_compile.explain(step, x, y)
-    reference_step(x, y)
-    for i in range(STEPS - 1):
-        x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
-        torch.testing.assert_close(step(x, y), reference_step(x, y), rtol=1e-5, atol=1e-6)
+    report = train_mlp_side_by_side(step, reference_step, STEPS)
     assert_matches_torch_optim(model, reference, lr=settings["lr"], steps=STEPS)
     linear_weights = {f"model.net.{i}.weight" for i in (0, 2, 4)}
     assert {d.name for d in report.fused} == linear_weights

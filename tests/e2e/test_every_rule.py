@@ -7,7 +7,7 @@ CUDA-only ``capturable`` flag left out: forge ignores it as an implementation hi
 
 import pytest
 import torch
-from helpers import MLP, assert_matches_torch_optim, mse_step, twin
+from helpers import MLP, assert_matches_torch_optim, mse_step, train_mlp_side_by_side, twin
 
 import forge_compile
 
@@ -71,12 +71,7 @@ def test_compiled_rule_matches_torch_optim(torch_class, settings):
     forge_class = forge_compile.optim.forge_class_for(torch_class)
     step = torch.compile(mse_step(model, forge_class(model.parameters(), **_copy_settings(settings))), backend="forge")
     reference_step = mse_step(reference, torch_class(reference.parameters(), **_copy_settings(settings)))
-    x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
-    report = forge_compile.explain(step, x, y)
-    reference_step(x, y)
-    for _ in range(STEPS - 1):
-        x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
-        torch.testing.assert_close(step(x, y), reference_step(x, y), rtol=1e-5, atol=1e-6)
+    report = train_mlp_side_by_side(step, reference_step, STEPS)
     if torch_class in (torch.optim.SGD, torch.optim.Adagrad):
         _assert_relative_close(model, reference)
     else:
