@@ -63,7 +63,7 @@ def _assert_relative_close(model, reference, rtol=1e-5):
         assert err <= rtol * scale, f"{name}: max error {err:.3g} > {rtol} * {scale:.3g}"
 
 
-@pytest.mark.parametrize("torch_class,settings", _cases())
+@pytest.mark.parametrize("torch_class,settings", list(_cases()))
 def test_compiled_rule_matches_torch_optim(torch_class, settings):
     torch.manual_seed(0)
     model = MLP()
