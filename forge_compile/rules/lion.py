@@ -8,6 +8,7 @@ torch has no Lion; forge's follows the paper with decoupled weight decay. A zero
 interpolation has sign 0, so it leaves the weight unchanged (apart from decay).
 """
 
+import triton.language as tl  # noqa: F401  (Triton requires tl in a jit function's globals)
 
 from . import Rule, register
 from .common import lerp, maximize_and_decay, sign

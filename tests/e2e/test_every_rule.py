@@ -7,7 +7,7 @@ CUDA-only ``capturable`` flag left out: forge ignores it as an implementation hi
 
 import pytest
 import torch
-from helpers import MLP, assert_matches_torch_optim, mse_step, train_mlp_side_by_side, twin
+from helpers import MLP, assert_matches_torch_optim, lion_reference, mse_step, train_mlp_side_by_side, twin
 
 import forge_compile
 
@@ -84,15 +84,6 @@ def test_compiled_rule_matches_torch_optim(torch_class, settings):
     assert len(report.graphs) == 1
 
 
-def _lion_reference(params, grads, exp_avgs, lr, beta1, beta2, weight_decay, maximize):
-    """Lion as the paper writes it (Chen et al. 2023, Algorithm 2), in float64."""
-    for p, g, m in zip(params, grads, exp_avgs):
-        g = -g if maximize else g
-        update = torch.sign(beta1 * m + (1 - beta1) * g)
-        p.mul_(1 - lr * weight_decay).sub_(lr * update)
-        m.mul_(beta2).add_((1 - beta2) * g)
-
-
 LION_SETTINGS = [dict(), dict(lr=3e-3, weight_decay=0.5), dict(lr=1e-3, betas=(0.95, 0.98), maximize=True),
                  dict(lr=torch.tensor(2e-3), weight_decay=0.1)]  # fmt: skip
 
@@ -118,7 +109,7 @@ def test_compiled_lion_matches_the_paper(settings):
             report = forge_compile.explain(step, x, y)
         else:
             step(x, y)
-        _lion_reference(reference, grads, exp_avgs, **hyper)
+        lion_reference(reference, grads, exp_avgs, **hyper)
         for p, r in zip(model.parameters(), reference):
             # sign() makes each step +-lr exactly; fp32 rounding of the weights is all that differs
             torch.testing.assert_close(p.detach().double(), r, atol=1e-6, rtol=1e-6)
