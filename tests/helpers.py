@@ -86,12 +86,3 @@ def max_param_error(actual: nn.Module, expected: nn.Module) -> float:
         for a, e in zip(actual.parameters(), expected.parameters())
         if a.numel()
     )
-
-
-def lion_reference(params, grads, exp_avgs, lr, beta1, beta2, weight_decay, maximize):
-    """Lion as the paper writes it (Chen et al. 2023, Algorithm 2), in float64."""
-    for p, g, m in zip(params, grads, exp_avgs):
-        g = -g if maximize else g
-        update = torch.sign(beta1 * m + (1 - beta1) * g)
-        p.mul_(1 - lr * weight_decay).sub_(lr * update)
-        m.mul_(beta2).add_((1 - beta2) * g)

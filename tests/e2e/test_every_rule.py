@@ -7,9 +7,10 @@ CUDA-only ``capturable`` flag left out: forge ignores it as an implementation hi
 
 import pytest
 import torch
-from helpers import MLP, assert_matches_torch_optim, lion_reference, mse_step, train_mlp_side_by_side, twin
+from helpers import MLP, assert_matches_torch_optim, mse_step, train_mlp_side_by_side, twin
 
 import forge_compile
+from benchmarks.references import lion_reference
 
 STEPS = 8  # RAdam's rectification switches on at step 6
 

@@ -15,9 +15,9 @@ import os
 
 import pytest
 import torch
-from helpers import lion_reference
 
 import forge_compile
+from benchmarks.references import lion_reference
 from forge_compile.config import config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
