@@ -196,6 +196,10 @@ class ForgeOptimizer:
             view.refresh(wrapped)
             views.append(view)
         self._forge_groups = views
+        # The wrapper's one job, flagging that step() ran so that a scheduler stepped first
+        # can warn: inside compiled code Dynamo drops attribute writes on an optimizer, so
+        # the flag could never be set there and the scheduler would warn on every run.
+        self._opt_called = True
         self._forge_ready = True
 
     def _forge_complete_state(self, p: Tensor, view: _GroupView) -> None:
@@ -241,6 +245,11 @@ class ForgeOptimizer:
             self._forge_traced_step()
             return None
         return self._forge_eager_step(closure)
+
+    # An LR scheduler replaces ``opt.step`` with a wrapper from torch/optim/lr_scheduler.py,
+    # a file Dynamo never traces: the step would break the graph and nothing would fuse.
+    # It leaves alone a step that says it is wrapped already (see _forge_setup).
+    step._wrapped_by_lr_sched = True
 
     def _forge_eager_step(self, closure):
         """A step outside torch.compile: torch's own."""
