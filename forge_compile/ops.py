@@ -17,6 +17,8 @@ recompile) and its static switches as ``options`` ints.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -124,11 +126,14 @@ def fused_linear_update_(
     hyperparameters: list[Tensor],
     rule: str,
     options: list[int],
+    grad_min: Optional[float] = None,
+    grad_max: Optional[float] = None,
 ) -> None:
     """Update ``weight`` and ``states`` in place with the gradient ``grad_output_t @ input``.
 
     ``grad_output_t`` is [out_features, tokens] and ``input`` [tokens, in_features], any
-    strides; the gradient is accumulated in fp32 and never stored.
+    strides; the gradient is accumulated in fp32 and never stored. ``grad_min``/``grad_max``
+    clamp it first, as ``torch.nn.utils.clip_grad_value_`` does.
 
     Example::
 
@@ -146,13 +151,16 @@ def fused_linear_update_(
     if _use_triton(weight):
         from .kernels.linear_update import fused_linear_update
 
-        fused_linear_update(the_rule, weight, grad_output_t, input, states, step, hyperparameters, tuple(options))
+        fused_linear_update(the_rule, weight, grad_output_t, input, states, step, hyperparameters, tuple(options),
+                            grad_min, grad_max)  # fmt: skip
     else:
-        _fused_linear_update_torch(the_rule, weight, grad_output_t, input, states, step, hyperparameters, tuple(options))
+        _fused_linear_update_torch(the_rule, weight, grad_output_t, input, states, step, hyperparameters,
+                                   tuple(options), grad_min, grad_max)  # fmt: skip
 
 
 @fused_linear_update_.register_fake
-def _fused_linear_update_fake(weight, grad_output_t, input, states, step, hyperparameters, rule, options):
+def _fused_linear_update_fake(weight, grad_output_t, input, states, step, hyperparameters, rule, options,
+                              grad_min=None, grad_max=None):  # fmt: skip
     return None
 
 
@@ -164,13 +172,16 @@ def _use_triton(weight: Tensor) -> bool:
     return weight.is_cuda
 
 
-def _fused_linear_update_torch(rule, weight, grad_output_t, input, states, step, hyperparameters, options):
+def _fused_linear_update_torch(rule, weight, grad_output_t, input, states, step, hyperparameters, options,
+                               grad_min=None, grad_max=None):  # fmt: skip
     """The fused op's math with torch ops: fp32 gradient of a row chunk, then the rule."""
     rows_per_chunk = max(1, _CPU_CHUNK_ELEMENTS // max(1, weight.shape[1]))
     input32 = input.to(torch.float32)
     for start in range(0, weight.shape[0], rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
         grad = grad_output_t[rows].to(torch.float32) @ input32
+        if grad_min is not None or grad_max is not None:
+            grad = grad.clamp(grad_min, grad_max)
         new_weight, new_states = apply_rule(
             rule, weight[rows], grad, [s[rows] for s in states], step, hyperparameters, options
         )

@@ -58,14 +58,14 @@ def _autotune(**kwargs):
 def _fused_linear_update_kernel(
     w_ptr, a_ptr, b_ptr, s0_ptr, s1_ptr, s2_ptr,
     step_ptr, h0_ptr, h1_ptr, h2_ptr, h3_ptr, h4_ptr, h5_ptr, h6_ptr, h7_ptr,
-    M, N, K,
+    M, N, K, grad_min, grad_max,
     stride_wm, stride_wn, stride_am, stride_ak, stride_bk, stride_bn,
     stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
     RULE_KEY: tl.constexpr,
     COEFFICIENTS: tl.constexpr, ELEMENTWISE: tl.constexpr,
     HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
     O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, CLAMP_MIN: tl.constexpr, CLAMP_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -98,6 +98,12 @@ def _fused_linear_update_kernel(
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+
+    # clip_grad_value_ folded in: comparisons keep NaN, as torch.clamp does.
+    if CLAMP_MIN:
+        acc = tl.where(acc < grad_min, grad_min, acc)
+    if CLAMP_MAX:
+        acc = tl.where(acc > grad_max, grad_max, acc)
 
     # Per-step scalars, once per program, in fp64; the tile math is fp32.
     c0, c1, c2, c3, c4, c5, c6, c7, c8, c9 = COEFFICIENTS(
@@ -161,8 +167,11 @@ def fused_linear_update(
     step: torch.Tensor,
     hyperparameters: list[torch.Tensor],
     options: tuple[int, ...],
+    grad_min: float | None = None,
+    grad_max: float | None = None,
 ) -> None:
-    """Launch the fused kernel: ``weight``/``states`` updated in place with ``grad_output_t @ input``.
+    """Launch the fused kernel: ``weight``/``states`` updated in place with ``grad_output_t @ input``,
+    clamped to ``[grad_min, grad_max]`` first where given.
 
     Example::
 
@@ -205,7 +214,7 @@ def fused_linear_update(
         _fused_linear_update_kernel[grid](
             weight, grad_output_t, input, *slots,
             *scalars,
-            M, N, K,
+            M, N, K, 0.0 if grad_min is None else float(grad_min), 0.0 if grad_max is None else float(grad_max),
             weight.stride(0), weight.stride(1),
             grad_output_t.stride(0), grad_output_t.stride(1),
             input.stride(0), input.stride(1),
@@ -215,6 +224,7 @@ def fused_linear_update(
             COEFFICIENTS=rule.triton_coefficients, ELEMENTWISE=rule.triton_elementwise,
             HAS_S0=has[0], HAS_S1=has[1], HAS_S2=has[2],
             O0=opts[0], O1=opts[1], O2=opts[2], O3=opts[3],
-            DOT_PRECISION=dot_precision, INDEX_64=index_64,
+            DOT_PRECISION=dot_precision, INDEX_64=index_64, CLAMP_MIN=grad_min is not None,
+            CLAMP_MAX=grad_max is not None,
         )  # fmt: skip
 

@@ -76,6 +76,9 @@ class _Candidate:
     """The matmul's operands: it computes ``left @ right``."""
     transposed: bool
     """The matmul computes dW^T, so the fused op takes ``right^T @ left^T``."""
+    grad_min: float | None
+    grad_max: float | None
+    """Bounds of a clamp of the gradient before the update (clip_grad_value_), or None."""
 
 
 def fuse_linear_updates(graph: fx.Graph, name_of: Callable[[Node], str], fuse: bool = True) -> list[explain.Decision]:
@@ -86,6 +89,8 @@ def fuse_linear_updates(graph: fx.Graph, name_of: Callable[[Node], str], fuse: b
         decisions = fuse_linear_updates(gm.graph, lambda placeholder: placeholder.name)
     """
     decisions = []
+    if fuse and any(n.target is _UPDATE for n in graph.nodes):
+        _split_foreach_clamps(graph)
     for update in [n for n in graph.nodes if n.target is _UPDATE]:
         param = update.args[0]
         val = param.meta.get("val") if isinstance(param, Node) else None
@@ -134,11 +139,11 @@ def _match(update: Node) -> _Candidate:
         if state.meta["val"].dtype not in _FUSABLE_DTYPES:
             raise Rejection(explain.UNSUPPORTED_DTYPE, f"state dtype {state.meta['val'].dtype} is not fp32/bf16/fp16")
     copies = _copies_back(update, [param, *states])
-    chain, matmul_operands, transposed = _trace_gradient(grad, tuple(weight.shape))
+    chain, matmul_operands, transposed, (grad_min, grad_max) = _trace_gradient(grad, tuple(weight.shape))
     _check_single_consumer(chain)
     left, right = matmul_operands
     return _Candidate(update, param, list(states), step, list(hyperparameters), rule, list(options),
-                      copies, chain, left, right, transposed)  # fmt: skip
+                      copies, chain, left, right, transposed, grad_min, grad_max)  # fmt: skip
 
 
 def _copies_back(update: Node, targets: list[Node]) -> list[Node]:
@@ -184,10 +189,50 @@ def _is_plain_cast(node: Node) -> bool:
     return node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}
 
 
+_FOREACH_CLAMPS = {
+    aten._foreach_clamp_min.Scalar: aten.clamp_min.default,
+    aten._foreach_clamp_max.Scalar: aten.clamp_max.default,
+}
+_CLAMPS = (aten.clamp_min.default, aten.clamp_max.default, aten.clamp.default)
+
+
+def _split_foreach_clamps(graph: fx.Graph) -> None:
+    """One clamp per tensor in place of clip_grad_value_'s foreach clamps, so that each
+    gradient's chain back to its matmul is its own (Inductor fuses the pieces again)."""
+    for node in [n for n in graph.nodes if n.target in _FOREACH_CLAMPS]:
+        tensors, bound = node.args[0], node.args[1]
+        if not all(u.target is operator.getitem for u in node.users) or not isinstance(bound, (int, float)):
+            continue
+        for item in list(node.users):
+            with graph.inserting_before(node):
+                clamp = graph.call_function(_FOREACH_CLAMPS[node.target], (tensors[item.args[1]], bound))
+            clamp.meta = dict(item.meta)
+            item.replace_all_uses_with(clamp)
+            graph.erase_node(item)
+        graph.erase_node(node)
+
+
+def _clamp_bounds(node: Node) -> tuple[float | None, float | None]:
+    """(low, high) of a clamp with constant bounds; a Rejection for tensor bounds."""
+    if node.target is aten.clamp_min.default:
+        bounds = (node.args[1], None)
+    elif node.target is aten.clamp_max.default:
+        bounds = (None, node.args[1])
+    else:
+        bounds = (node.args[1] if len(node.args) > 1 else node.kwargs.get("min"),
+                  node.args[2] if len(node.args) > 2 else node.kwargs.get("max"))  # fmt: skip
+    if not all(b is None or isinstance(b, (int, float)) for b in bounds):
+        raise Rejection(explain.NOT_A_MATMUL, "gradient clamped to tensor bounds before the update")
+    return tuple(None if b is None else float(b) for b in bounds)
+
+
 def _trace_gradient(grad: Node, weight_shape: tuple[int, ...]):
-    """Walk from the update's gradient back to its matmul through views and casts."""
+    """Walk from the update's gradient back to its matmul through views, casts and at
+    most one lower and one upper clamp (clip_grad_value_), which the fused op applies to
+    the fp32 gradient tile."""
     chain: list[Node] = []
     transposed = False
+    low = high = None
     node = grad
     while True:
         if not isinstance(node, Node):
@@ -207,6 +252,13 @@ def _trace_gradient(grad: Node, weight_shape: tuple[int, ...]):
             node = node.args[0]
         elif node.target in _SAME_SHAPE_OPS and _shape(node) == _shape(node.args[0]):
             node = node.args[0]
+        elif node.target in _CLAMPS:
+            node_low, node_high = _clamp_bounds(node)
+            if (node_low is not None and low is not None) or (node_high is not None and high is not None):
+                raise Rejection(explain.NOT_A_MATMUL, "gradient clamped more than once before the update")
+            low = node_low if node_low is not None else low
+            high = node_high if node_high is not None else high
+            node = node.args[0]
         elif node.target is aten.add.Tensor:
             raise _shared_or_accumulated(node)
         else:
@@ -214,7 +266,10 @@ def _trace_gradient(grad: Node, weight_shape: tuple[int, ...]):
     expected = weight_shape[::-1] if transposed else weight_shape
     if _shape(node) != expected:
         raise Rejection(explain.NOT_A_MATMUL, f"the matmul's shape {_shape(node)} does not match the weight's")
-    return chain, tuple(node.args), transposed
+    if low is not None and high is not None and low > high:
+        # min(max(g, low), high) is then not what the graph's order of clamps computes
+        raise Rejection(explain.NOT_A_MATMUL, f"gradient clamped to crossed bounds [{low}, {high}]")
+    return chain, tuple(node.args), transposed, (low, high)
 
 
 def _gradient_sources(node: Node) -> list[Node]:
@@ -367,11 +422,11 @@ def _rewrite(graph: fx.Graph, c: _Candidate) -> None:
     anchor = max(read_before + producers, key=order.__getitem__)
     if anchor.op == "placeholder":
         anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    args = (c.weight, c.left, c.right, c.states, c.step, c.hyperparameters, c.rule, c.options)
+    if c.grad_min is not None or c.grad_max is not None:
+        args += (c.grad_min, c.grad_max)
     with graph.inserting_after(anchor):
-        fused = graph.call_function(
-            _FUSED,
-            (c.weight, c.left, c.right, c.states, c.step, c.hyperparameters, c.rule, c.options),
-        )
+        fused = graph.call_function(_FUSED, args)
     fused.meta["val"] = None
     fused.meta["stack_trace"] = c.update.meta.get("stack_trace")
     for needed in [*operands, c.step, *c.hyperparameters]:

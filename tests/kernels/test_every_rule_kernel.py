@@ -72,7 +72,7 @@ def _random_grad_output_and_input():
     return grid(M, T), grid(T, N)
 
 
-def _fused_step(optimizer, weight, grad_output_t, input):
+def _fused_step(optimizer, weight, grad_output_t, input, grad_min=None, grad_max=None):
     """The traced step's work for one weight, with the gradient left to the fused op."""
     rule = optimizer._forge_rule
     [view] = optimizer._forge_groups
@@ -87,7 +87,7 @@ def _fused_step(optimizer, weight, grad_output_t, input):
         hyperparameters += scalars
     states = [state[key] for key in view.state_keys]
     torch.ops.forge.fused_linear_update_(weight.data, grad_output_t, input, states, state["step"], hyperparameters,
-                                         rule.name, list(view.options))  # fmt: skip
+                                         rule.name, list(view.options), grad_min, grad_max)  # fmt: skip
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)
@@ -152,3 +152,22 @@ def test_fused_lion_matches_the_paper_in_float64(implementation, settings, final
 
     torch.testing.assert_close(weight.detach().double(), reference_weight, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(optimizer.state[weight]["exp_avg"].double(), exp_avg, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("bounds", [(-1.0, 1.5), (None, 0.5), (-0.25, None)], ids=["both", "max", "min"])
+def test_fused_op_clamps_the_gradient_as_clip_grad_value_does(implementation, bounds):
+    """The kernel's clamp of the fp32 gradient tile against torch's clamp in float64
+    (the grid operands give gradients of several units, so each bound clips many)."""
+    grad_min, grad_max = bounds
+    reference_weight = torch.nn.Parameter(torch.randn(M, N, device=DEVICE, dtype=torch.float64))
+    reference = torch.optim.Adam([reference_weight], lr=1e-2)
+    weight = torch.nn.Parameter(reference_weight.detach().float())
+    optimizer = forge_compile.optim.Adam([weight], lr=1e-2)
+    grad_output_t, input = _random_grad_output_and_input()
+    _fused_step(optimizer, weight, grad_output_t, input, grad_min, grad_max)
+    reference_weight.grad = (grad_output_t.double() @ input.double()).clamp(grad_min, grad_max)
+    assert (reference_weight.grad != grad_output_t.double() @ input.double()).double().mean() > 0.2
+    reference.step()
+    torch.testing.assert_close(weight.detach().double(), reference_weight.detach(), atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(optimizer.state[weight]["exp_avg"].double(), reference.state[reference_weight]["exp_avg"],
+                               atol=2e-6, rtol=2e-6)  # fmt: skip
