@@ -212,12 +212,27 @@ def _notes(records: list[GraphRecord], fn: Callable, args, kwargs) -> list[str]:
             "loss returned without .detach(): Dynamo ran the backward outside the graph, so every gradient "
             "was materialized; return loss.detach()"
         )
+    elif has_updates and records and not any(r.has_backward for r in records) and breaks.strip():
+        # A graph break in the forward leaves the loss to an earlier graph: loss.backward() then
+        # runs eagerly (forge_compile._dynamo_fix), and the step's graph gets finished gradients.
+        first = next(r.break_reason for r in records if r.break_reason).strip().splitlines()[0]
+        notes.append(
+            f"loss.backward() ran outside forge's graphs after a graph break in the forward ({first}), so every "
+            "gradient was materialized; remove the graph break (TORCH_LOGS=graph_breaks shows where)"
+        )
     if not has_updates:
         for optimizer in _optimizers_reachable_from(fn, args, kwargs):
             from .optim import ForgeOptimizer
 
             if not isinstance(optimizer, ForgeOptimizer):
+                from .optim import forge_class_for
+
                 cls = type(optimizer)
+                try:
+                    forge_class_for(cls)
+                except TypeError as unsupported:  # not element-wise, or a class forge does not know
+                    notes.append("step() not captured: " + str(unsupported).removeprefix("forge: "))
+                    continue
                 notes.append(_STOCK_STEP_HINT.format(cls=f"{cls.__module__}.{cls.__qualname__}", name=cls.__name__))
         if not records:
             notes.append("no graph was compiled by forge (the function did not run under torch.compile?)")

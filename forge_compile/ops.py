@@ -38,25 +38,27 @@ def apply_rule(
     hyperparameters: list[Tensor],
     options: tuple[int, ...],
 ) -> tuple[Tensor, list[Tensor]]:
-    """The rule on torch tensors, in fp32: returns (new param, new active states), fp32.
+    """The rule on torch tensors, in fp32 (float64 for float64 parameters, as torch.optim
+    computes them): returns (new param, new active states) in that dtype.
 
     Every torch path runs this: the functional op, the unfused decomposition that
     Inductor compiles, and the CPU implementation of the fused op.
     """
+    compute = torch.float64 if param.dtype == torch.float64 else torch.float32
     coefficients = rule.torch_coefficients(
         step.to(torch.float64),
         *[h.to(torch.float64) for h in hyperparameters],
         *[step.new_zeros((), dtype=torch.float64)] * (rules.MAX_HYPERPARAMETERS - len(hyperparameters)),
     )
-    coefficients = [c.to(torch.float32) for c in coefficients]
-    param32 = param.to(torch.float32)
+    coefficients = [c.to(compute) for c in coefficients]
+    param_c = param.to(compute)
     active = rule.active_states(tuple(options))
     slots, given = [], iter(states)
     for is_active in active:
-        slots.append(next(given).to(torch.float32) if is_active else param32)
-    slots += [param32] * (rules.MAX_STATES - len(slots))
+        slots.append(next(given).to(compute) if is_active else param_c)
+    slots += [param_c] * (rules.MAX_STATES - len(slots))
     out = rule.torch_elementwise(
-        param32, grad.to(torch.float32), *slots, *coefficients, *options,
+        param_c, grad.to(compute), *slots, *coefficients, *options,
         *[0] * (rules.MAX_OPTIONS - len(options)),
     )  # fmt: skip
     new_states = [s for s, is_active in zip(out[1:], active) if is_active]

@@ -54,7 +54,7 @@ def twin(model: nn.Module) -> nn.Module:
 def assert_close_params(actual: nn.Module, expected: nn.Module, atol: float = 1e-5, context: str = ""):
     """Every parameter within ``atol`` of the reference (absolute, element-wise)."""
     for (name, a), (_, e) in zip(actual.named_parameters(), expected.named_parameters()):
-        err = (a.detach().double() - e.detach().double()).abs().max().item() if a.numel() else 0.0
+        err = (a.detach().double() - e.detach().double()).abs().nan_to_num(0.0).max().item() if a.numel() else 0.0
         assert err <= atol, f"{context} {name}: max abs error {err:.3g} > {atol}"
         assert torch.isnan(a).eq(torch.isnan(e)).all(), f"{context} {name}: NaN pattern differs"
 

@@ -251,8 +251,11 @@ class ForgeOptimizer:
     # It leaves alone a step that says it is wrapped already (see _forge_setup).
     step._wrapped_by_lr_sched = True
 
+    @torch.compiler.disable
     def _forge_eager_step(self, closure):
-        """A step outside torch.compile: torch's own."""
+        """A step outside torch.compile: torch's own. Also what runs when Dynamo breaks the
+        graph at ``step()`` (a closure, a GradScaler): never traced as a frame of its own, since
+        Dynamo's optimizer tracing does not take forge's param groups; torch's eager step it is."""
         return super().step(closure)
 
     @torch.no_grad()
