@@ -31,6 +31,10 @@ __version__ = "0.1.0"
 # forward, backward and the optimizer step reach forge's pass as one graph.
 if hasattr(torch._dynamo.config, "trace_autograd_ops"):
     torch._dynamo.config.trace_autograd_ops = True
+    # With it, Dynamo silently drops a backward() resumed after a graph break in the forward.
+    from ._dynamo_fix import install as _install_backward_guard
+
+    _install_backward_guard()
 
 
 def _register_backend() -> None:

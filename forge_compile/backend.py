@@ -188,7 +188,9 @@ def _break_reason(gm: torch.fx.GraphModule) -> str | None:
 
 
 _SOURCE_TOKEN = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)")
-_SKIPPED_TOKENS = {"_modules", "_parameters", "_buffers"}
+# ``__dict__``: Dynamo reaches attributes that nn.Module.__getattr__ would not find (peft's
+# ``base_model``) through the instance dict; the user's name has no such step.
+_SKIPPED_TOKENS = {"_modules", "_parameters", "_buffers", "__dict__"}
 
 
 def _input_names(gm: torch.fx.GraphModule) -> list[str]:
