@@ -52,5 +52,9 @@ def _register_backend() -> None:
 
 
 _register_backend()
+# TORCH_LOGS="forge" (also registered while torch is imported, by the installed entry point)
+import forge_compile_torch_logs  # noqa: E402
+
+forge_compile_torch_logs.register()
 
 from .config import config  # noqa: E402  (the settings object, not the module)

@@ -19,6 +19,7 @@ Around that call the backend keeps a :class:`forge_compile.explain.GraphRecord` 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -26,6 +27,7 @@ import json
 import logging
 import os
 import re
+import unittest.mock
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +35,7 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import explain, ops  # noqa: F401  (ops registers torch.ops.forge.*)
+from . import dump, explain, ops  # noqa: F401  (ops registers torch.ops.forge.*)
 from .config import config
 from .passes.fuse_linear_update import decompose_update, fuse_linear_updates
 
@@ -78,6 +80,7 @@ class FuseLinearUpdatePass(CustomGraphPass):
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         names = compilation.input_names if compilation else []
         by_node = dict(zip(placeholders, names)) if len(names) == len(placeholders) else {}
+        before = dump.graph_code(graph)
         try:
             decisions = fuse_linear_updates(graph, lambda node: by_node.get(node, node.name), fuse=self.fuse)
         except Exception as error:  # noqa: BLE001 - any failure falls back to plain Inductor
@@ -92,6 +95,7 @@ class FuseLinearUpdatePass(CustomGraphPass):
         compilation.record.decisions.extend(decisions)
         compilation.record.pass_ran = True
         _store_decisions(compilation.key, compilation.record.decisions)
+        dump.graph_compiled(compilation.record, before, dump.graph_code(graph))
 
     def uuid(self) -> str:
         return f"forge-{_source_hash()}-fuse{int(self.fuse)}"
@@ -129,7 +133,7 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     def run(custom_pass, **patches):
         _compilations.append(compilation)
         try:
-            with torch._inductor.config.patch(post_grad_custom_pre_pass=custom_pass, **patches):
+            with torch._inductor.config.patch(post_grad_custom_pre_pass=custom_pass, **patches), _dumping(record):
                 return compile_fx(gm, example_inputs, **kwargs)
         finally:
             _compilations.pop()
@@ -161,6 +165,31 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     for d in record.decisions:
         log.info("forge: graph %d: %s %s", record.graph, d.name, "fused" if d.fused else f"not fused: {d.reason}")
     return _RecordingCallable(compiled, record)
+
+
+@contextlib.contextmanager
+def _dumping(record: explain.GraphRecord):
+    """With a dump folder: compile for real (caches would skip the pass and the code
+    generation) and keep Inductor's output code for the graph."""
+    if dump.directory() is None:
+        yield
+        return
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    previous = GraphLowering.save_output_code
+
+    def save_output_code(code: str) -> None:
+        codes.append(code)
+        if previous is not None:
+            previous(code)
+
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(
+        enable_autograd_cache=False
+    ), unittest.mock.patch.object(GraphLowering, "save_output_code", save_output_code):
+        yield
+    if codes:
+        dump.output_code(record, "\n\n".join(codes))
 
 
 class _RecordingCallable:

@@ -28,6 +28,11 @@ class ForgeConfig:
     """Tune the fused kernel's tile shapes per weight shape. Read when the kernel module is
     first imported; FORGE_AUTOTUNE=0 runs one fixed config (quick tests)."""
 
+    dump_dir: str | None = None
+    """A folder for each compiled graph's post-grad graph before and after the rewrite,
+    its decisions (JSON) and Inductor's output code (see forge_compile.dump). Graphs are
+    compiled without Inductor's caches while it is set, so every file is written."""
+
     decision_cache: bool = True
     """Keep each compiled graph's fusion decisions on disk beside Inductor's cache, so
     that explain() reports them when Inductor serves the graph from its cache."""

@@ -49,6 +49,9 @@ class Decision:
     gradient_bytes: int = 0
     """Bytes of the weight gradient: never materialized when fused."""
     graph: int = 0
+    chain: list[str] = field(default_factory=list)
+    """Post-grad graph nodes of the candidate: the update, then its gradient back to the matmul
+    (as far as forge followed it), by the names the dumped graphs show."""
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

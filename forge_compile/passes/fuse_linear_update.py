@@ -102,8 +102,10 @@ def fuse_linear_updates(graph: fx.Graph, name_of: Callable[[Node], str], fuse: b
             fused=False,
             code=explain.FUSED,
         )
+        decision.chain = [update.name] + ([update.args[1].name] if isinstance(update.args[1], Node) else [])
         try:
             candidate = _match(update)
+            decision.chain = [update.name] + [n.name for n in candidate.chain]
             if not fuse:
                 raise Rejection(explain.DISABLED, "fusion disabled (forge_compile.config.fuse is False)")
             gradient_bytes = _gradient_bytes(candidate)
