@@ -6,7 +6,8 @@ this module is that plugin. It lives outside the ``forge_compile`` package becau
 importing the package needs the whole of torch, which is not ready at that point.
 
 * ``TORCH_LOGS="forge"``: one line per fusion decision (the ``forge_compile`` loggers at INFO);
-* ``TORCH_LOGS="+forge"``: also the post-grad graphs before and after the rewrite (DEBUG);
+* ``TORCH_LOGS="+forge"``: also the post-grad graphs before and after the rewrite (DEBUG;
+  graphs are then compiled without Inductor's caches, which would skip the rewrite);
 * ``TORCH_LOGS="forge_graphs"``: the graphs alone.
 """
 
@@ -23,5 +24,4 @@ def register() -> None:
     if LOG_NAME not in log_registry.log_alias_to_log_qnames:
         register_log(LOG_NAME, "forge_compile")
     if GRAPHS_ARTIFACT not in log_registry.artifact_names:
-        register_artifact(GRAPHS_ARTIFACT, "forge's post-grad graphs before and after its rewrite",
-                          off_by_default=True)  # fmt: skip
+        register_artifact(GRAPHS_ARTIFACT, "forge's post-grad graphs before and after its rewrite")

@@ -169,9 +169,9 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
 
 @contextlib.contextmanager
 def _dumping(record: explain.GraphRecord):
-    """With a dump folder: compile for real (caches would skip the pass and the code
-    generation) and keep Inductor's output code for the graph."""
-    if dump.directory() is None:
+    """With a dump folder or graph logs: compile for real (caches would skip the pass and
+    the code generation) and keep Inductor's output code for the graph."""
+    if not dump.wanted():
         yield
         return
     from torch._inductor.graph import GraphLowering

@@ -156,6 +156,8 @@ def memory(argv: list[str]) -> int:
             subprocess.run([sys.executable, "-m", "forge_compile", "_memory_child", str(out), options.script,
                             *options.args], check=True, env=env)  # fmt: skip
             runs[label] = json.loads(out.read_text())
+    series_file = Path(options.output).with_suffix(".json")
+    series_file.write_text(json.dumps({"script": options.script, "args": options.args, "runs": runs}))
     import matplotlib
 
     matplotlib.use("Agg")

@@ -37,6 +37,14 @@ def _graphs_log() -> logging.Logger:
     return torch._logging.getArtifactLogger(__name__, names.GRAPHS_ARTIFACT)
 
 
+def wanted() -> bool:
+    """Dumps, graph logs or a structured trace (TORCH_TRACE) are on: graphs must really be
+    compiled, since a cache hit skips the pass."""
+    from torch._logging._internal import trace_log
+
+    return directory() is not None or _graphs_log().isEnabledFor(logging.DEBUG) or bool(trace_log.handlers)
+
+
 def graph_code(graph: torch.fx.Graph) -> str:
     """The graph as FX prints it, node names kept."""
     return graph.python_code(root_module="self").src
