@@ -55,6 +55,10 @@ def hf_llama_section() -> list[str]:
     return lines
 
 
+def _checks(checks: dict) -> str:
+    return "passed" if all(checks.values()) else "FAILED: " + ", ".join(k for k, v in checks.items() if not v)
+
+
 def every_rule_section() -> list[str]:
     path = RESULTS / "every_rule_check.json"
     if not path.exists():
@@ -75,7 +79,7 @@ def every_rule_section() -> list[str]:
     for r in rules.values():
         e = r["weight_error_vs_float64"]
         settings = ", ".join(f"{k}={v}" for k, v in r["settings"].items())
-        ok = "passed" if all(r["checks"].values()) else "FAILED: " + ", ".join(k for k, v in r["checks"].items() if not v)
+        ok = _checks(r["checks"])
         lines.append(f"| {r['optimizer']} | {settings} | {r['fused']}/{r['linear_weights']} | "
                      f"{e['eager-fp32']['relative_l2']:.2e} | {e['forge']['relative_l2']:.2e} | {ok} |")  # fmt: skip
     lines += ["", "Errors are relative L2 norms of all weights against the float64 run. Rules that divide by a running "
@@ -84,8 +88,33 @@ def every_rule_section() -> list[str]:
     return lines
 
 
+def mixed_models_section() -> list[str]:
+    path = RESULTS / "mixed_models_check.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    env = data["environment"]
+    models = data["models"]
+    lines = [
+        f"**Mixed models** (fp32, AdamW; {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+        f"{env['date'][:10]}; `{env['command']}`; raw data: `benchmarks/results/mixed_models_check.json`). "
+        "Weights against the same run in float64 (weights whose float64 gradient is zero at every step "
+        "left out: there any fp32 run's Adam steps are rounding noise).",
+        "",
+        "| model | fused | fp32 eager vs float64 | forge vs float64 | not fused | checks |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in models.items():
+        e = r["weight_error_vs_float64"]
+        rejected = "; ".join(f"`{k.removeprefix('model.')}` ({v.split(':')[0]})" for k, v in r["rejected"].items())
+        ok = _checks(r["checks"])
+        lines.append(f"| {name} | {r['fused']}/{r['linear_weights']} | {e['eager-fp32']['relative_l2']:.2e} | "
+                     f"{e['forge']['relative_l2']:.2e} | {rejected or '-'} | {ok} |")  # fmt: skip
+    return lines
+
+
 def render() -> str:
-    sections = [hf_llama_section(), every_rule_section()]
+    sections = [hf_llama_section(), every_rule_section(), mixed_models_section()]
     body = [line for section in sections for line in section + [""]]
     return "\n".join([BEGIN, "", *body, END])
 
