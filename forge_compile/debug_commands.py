@@ -148,6 +148,12 @@ def memory(argv: list[str]) -> int:
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     options = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("forge: `memory` records CUDA allocations and needs a GPU; on the CPU use `explain` for the "
+              "gradient bytes forge never materializes", file=sys.stderr)  # fmt: skip
+        return 2
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for label, fuse in (("forge", "1"), ("inductor (FORGE_FUSE=0)", "0")):

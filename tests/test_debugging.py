@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import expecttest
+import pytest
 import torch
 from helpers import MLP, mse_step
 from torch import nn
@@ -132,6 +133,15 @@ a = mm(x, y)                   | fused_linear_update_(w, x, y)
 b = update(w, a)               | \n\
 copy_(w, b)                    | \n\
 return ()                        return ()""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_memory_command_without_cuda_says_what_to_do(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "forge_compile", "memory", str(script)], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)  # fmt: skip
+    assert proc.returncode == 2 and "needs a GPU" in proc.stderr and "explain" in proc.stderr
 
 
 def test_mlp_helpers_still_train(tmp_path):
