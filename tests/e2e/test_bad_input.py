@@ -114,8 +114,10 @@ def test_channels_last_convolution_is_right():
 
 
 def test_float64_weights_stay_unfused_and_right():
-    model, reference, report = _side_by_side(MLP().double(), lambda: (torch.randn(4, 5, 12, dtype=torch.float64),
-                                                                      torch.randn(4, 5, 6, dtype=torch.float64)))  # fmt: skip
+    def batch():
+        return torch.randn(4, 5, 12, dtype=torch.float64), torch.randn(4, 5, 6, dtype=torch.float64)
+
+    model, reference, report = _side_by_side(MLP().double(), batch)
     weights = [d for d in report.rejected if len(d.shape) == 2]
     assert not report.fused and len(weights) == 3
     assert all(d.code == "unsupported_dtype" and "float64" in d.reason for d in weights), weights

@@ -169,5 +169,5 @@ def test_fused_op_clamps_the_gradient_as_clip_grad_value_does(implementation, bo
     assert (reference_weight.grad != grad_output_t.double() @ input.double()).double().mean() > 0.2
     reference.step()
     torch.testing.assert_close(weight.detach().double(), reference_weight.detach(), atol=2e-6, rtol=2e-6)
-    torch.testing.assert_close(optimizer.state[weight]["exp_avg"].double(), reference.state[reference_weight]["exp_avg"],
-                               atol=2e-6, rtol=2e-6)  # fmt: skip
+    expected_exp_avg = reference.state[reference_weight]["exp_avg"]
+    torch.testing.assert_close(optimizer.state[weight]["exp_avg"].double(), expected_exp_avg, atol=2e-6, rtol=2e-6)
