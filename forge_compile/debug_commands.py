@@ -6,8 +6,9 @@
   with the decisions, and writes ``DUMP_DIR/diff.html`` with the fused ops highlighted;
 * ``memory SCRIPT.py [args]`` (CUDA) runs the script twice, fused and with
   ``FORGE_FUSE=0`` (what backend="inductor" compiles), records allocations with
-  ``torch.cuda.memory._record_memory_history`` and plots allocated bytes against
-  allocation order for both as a PNG.
+  ``torch.cuda.memory._record_memory_history`` from the second run of a forge graph on
+  (the first compiles and tunes) and plots allocated bytes against allocation order for
+  both as a PNG, with each run's warm-up peak in the legend.
 """
 
 from __future__ import annotations
@@ -116,28 +117,70 @@ def diff(argv: list[str]) -> int:
     return 0
 
 
+def allocated_timeline(events: list[dict], start_bytes: int) -> list[int]:
+    """Allocated bytes after each alloc/free of a CUDA memory history, from ``start_bytes``."""
+    allocated, timeline = start_bytes, []
+    for event in events:
+        if event["action"] == "alloc":
+            allocated += event["size"]
+        elif event["action"] == "free_completed":
+            allocated -= event["size"]
+        else:
+            continue
+        timeline.append(allocated)
+    return timeline
+
+
+class _StepWindow:
+    """Starts the allocation history when a forge graph starts its second run: the first run
+    compiled, autotuned and warmed up, which is not what a training step costs."""
+
+    def __init__(self):
+        self.runs: dict[int, int] = {}
+        self.start_bytes: int | None = None
+        self.warm_up_peak_bytes = 0
+        self.graph: int | None = None
+
+    def __call__(self, record) -> None:
+        import torch
+
+        self.runs[record.graph] = self.runs.get(record.graph, 0) + 1
+        if self.start_bytes is None and self.runs[record.graph] == 2:
+            torch.cuda.synchronize()
+            self.graph = record.graph
+            self.warm_up_peak_bytes = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            self.start_bytes = torch.cuda.memory_allocated()
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+
+
 def _memory_child(argv: list[str]) -> int:
-    """Run a script with allocation history on and write its allocated-bytes timeline."""
+    """Run a script and write its allocated-bytes timeline from the second run of a forge graph on."""
     out, script, *args = argv
     import torch
 
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    from .explain import run_listeners
+
+    window = _StepWindow()
+    run_listeners.append(window)
     try:
         _run_script(script, args)
     finally:
-        snapshot = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-    allocated, timeline = 0, []
-    for trace in snapshot["device_traces"]:
-        for event in trace:
-            if event["action"] == "alloc":
-                allocated += event["size"]
-            elif event["action"] == "free_completed":
-                allocated -= event["size"]
-            else:
-                continue
-            timeline.append(allocated)
-    Path(out).write_text(json.dumps({"allocated_bytes": timeline, "peak_bytes": torch.cuda.max_memory_allocated()}))
+        run_listeners.remove(window)
+    if window.start_bytes is None:
+        print("forge: no forge graph ran twice; `memory` shows the steps after the first: run 2 or more steps",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    events = [e for trace in snapshot["device_traces"] for e in trace]
+    Path(out).write_text(json.dumps({
+        "allocated_bytes": allocated_timeline(events, window.start_bytes),
+        "peak_bytes": torch.cuda.max_memory_allocated(),
+        "warm_up_peak_bytes": window.warm_up_peak_bytes,
+        "window": f"from the second run of forge graph {window.graph} to the end of the script",
+    }))  # fmt: skip
     return 0
 
 
@@ -159,8 +202,10 @@ def memory(argv: list[str]) -> int:
         for label, fuse in (("forge", "1"), ("inductor (FORGE_FUSE=0)", "0")):
             out = Path(tmp) / f"{fuse}.json"
             env = dict(os.environ, FORGE_FUSE=fuse)
-            subprocess.run([sys.executable, "-m", "forge_compile", "_memory_child", str(out), options.script,
-                            *options.args], check=True, env=env)  # fmt: skip
+            child = subprocess.run([sys.executable, "-m", "forge_compile", "_memory_child", str(out), options.script,
+                                    *options.args], env=env)  # fmt: skip
+            if child.returncode:
+                return child.returncode
             runs[label] = json.loads(out.read_text())
     series_file = Path(options.output).with_suffix(".json")
     series_file.write_text(json.dumps({"script": options.script, "args": options.args, "runs": runs}))
@@ -172,13 +217,15 @@ def memory(argv: list[str]) -> int:
     fig, ax = plt.subplots(figsize=(10, 4.5))
     for label, run in runs.items():
         series = [b / 2**30 for b in run["allocated_bytes"]]
-        ax.plot(range(len(series)), series, label=f"{label}: peak {run['peak_bytes'] / 2**30:.2f} GiB", lw=1)
-    ax.set_xlabel("allocation event (kernel order)")
+        ax.plot(range(len(series)), series, lw=1, label=f"{label}: peak {run['peak_bytes'] / 2**30:.2f} GiB "
+                f"(first step, compiling and tuning: {run['warm_up_peak_bytes'] / 2**30:.2f} GiB)")  # fmt: skip
+    ax.set_xlabel("allocation event from the start of the second step (kernel order)")
     ax.set_ylabel("allocated GiB")
     ax.set_title(f"CUDA memory over {Path(options.script).name}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(options.output, dpi=120)
-    print(json.dumps({label: {"peak_bytes": run["peak_bytes"]} for label, run in runs.items()}))
+    print(json.dumps({label: {k: run[k] for k in ("peak_bytes", "warm_up_peak_bytes", "window")}
+                      for label, run in runs.items()}))  # fmt: skip
     print(f"wrote {options.output}")
     return 0

@@ -166,10 +166,14 @@ def _bytes(n: int) -> str:
 # --- sessions: explain() collects the records of the graphs that run while it is active ---------
 _sessions_lock = threading.Lock()
 _active_sessions: list[list[GraphRecord]] = []
+run_listeners: list[Callable[[GraphRecord], None]] = []
+"""Called with a graph's record each time it starts to run (``python -m forge_compile memory``)."""
 
 
 def graph_ran(record: GraphRecord) -> None:
     """Called by forge's compiled graphs when they run; cheap when no explain() is active."""
+    for listener in run_listeners:
+        listener(record)
     if not _active_sessions:
         return
     with _sessions_lock:

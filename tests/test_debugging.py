@@ -19,7 +19,8 @@ from torch import nn
 
 import forge_compile
 from forge_compile.config import config
-from forge_compile.debug_commands import side_by_side
+from forge_compile.debug_commands import allocated_timeline, side_by_side
+from forge_compile.explain import run_listeners
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,6 +143,27 @@ def test_memory_command_without_cuda_says_what_to_do(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "forge_compile", "memory", str(script)], capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)  # fmt: skip
     assert proc.returncode == 2 and "needs a GPU" in proc.stderr and "explain" in proc.stderr
+
+
+def test_run_listeners_see_every_run_of_a_graph():
+    """`memory` starts recording at a graph's second run, found through these listeners."""
+    runs = []
+    model = MLP()
+    step = torch.compile(mse_step(model, forge_compile.optim.AdamW(model.parameters(), lr=1e-3)), backend="forge")
+    run_listeners.append(runs.append)
+    try:
+        for _ in range(3):
+            step(torch.randn(4, 5, 12), torch.randn(4, 5, 6))
+    finally:
+        run_listeners.remove(runs.append)
+    assert len(runs) == 3 and len({r.graph for r in runs}) == 1
+
+
+def test_allocated_timeline_follows_allocs_and_completed_frees():
+    events = [{"action": "alloc", "size": 100}, {"action": "free_requested", "size": 100},
+              {"action": "alloc", "size": 50}, {"action": "free_completed", "size": 100},
+              {"action": "segment_alloc", "size": 4096}]  # fmt: skip
+    assert allocated_timeline(events, start_bytes=1000) == [1100, 1150, 1050]
 
 
 def test_mlp_helpers_still_train(tmp_path):
