@@ -261,7 +261,6 @@ class ForgeOptimizer:
     @torch.no_grad()
     def _forge_traced_step(self) -> None:
         """Every parameter's update as one ``forge::optimizer_update``; eager too where torch has no class."""
-        rule = self._forge_rule
         rule_name = self._forge_rule_name
         for view in self._forge_groups:
             indices = [i for i, p in enumerate(view.params) if p.grad is not None]
@@ -277,20 +276,29 @@ class ForgeOptimizer:
                 p = view.params[i]
                 state = self.state[p]
                 states = [state[key] for key in view.state_keys]
-                # A hyperparameter given as a CPU tensor follows the parameter to its device.
-                hyperparameters = [h if h.device == p.device else h.to(p.device) for h in view.hyperparameters[i]]
-                if rule.scalar_states:
-                    scalars = [state[key] for key in rule.scalar_states]
-                    advanced = torch.ops.forge.advance_scalar_states(state["step"], hyperparameters, scalars, rule_name)
-                    for scalar, value in zip(scalars, advanced):
-                        scalar.copy_(value)
-                    hyperparameters = hyperparameters + scalars
+                hyperparameters = self._forge_step_hyperparameters(view, i)
                 new = torch.ops.forge.optimizer_update(
                     p, p.grad, states, state["step"], hyperparameters, rule_name, options
                 )
                 p.copy_(new[0])
                 for old, value in zip(states, new[1:]):
                     old.copy_(value)
+
+    def _forge_step_hyperparameters(self, view: _GroupView, index: int) -> list[Tensor]:
+        """The rule's hyperparameter tensors for ``view.params[index]`` in a step whose count
+        is already advanced, followed by its scalar states, advanced here (NAdam's mu_product)."""
+        rule = self._forge_rule
+        p = view.params[index]
+        state = self.state[p]
+        # A hyperparameter given as a CPU tensor follows the parameter to its device.
+        hyperparameters = [h if h.device == p.device else h.to(p.device) for h in view.hyperparameters[index]]
+        if rule.scalar_states:
+            scalars = [state[key] for key in rule.scalar_states]
+            advanced = torch.ops.forge.advance_scalar_states(state["step"], hyperparameters, scalars, rule.name)
+            for scalar, value in zip(scalars, advanced):
+                scalar.copy_(value)
+            hyperparameters = hyperparameters + scalars
+        return hyperparameters
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not torch.compiler.is_compiling():

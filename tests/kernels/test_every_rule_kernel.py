@@ -74,20 +74,13 @@ def _random_grad_output_and_input():
 
 def _fused_step(optimizer, weight, grad_output_t, input, grad_min=None, grad_max=None):
     """The traced step's work for one weight, with the gradient left to the fused op."""
-    rule = optimizer._forge_rule
     [view] = optimizer._forge_groups
     state = optimizer.state[weight]
     state["step"] += 1
-    hyperparameters = list(view.hyperparameters[0])
-    if rule.scalar_states:
-        scalars = [state[key] for key in rule.scalar_states]
-        advanced = torch.ops.forge.advance_scalar_states(state["step"], hyperparameters, scalars, rule.name)
-        for scalar, value in zip(scalars, advanced):
-            scalar.copy_(value)
-        hyperparameters += scalars
+    hyperparameters = optimizer._forge_step_hyperparameters(view, 0)
     states = [state[key] for key in view.state_keys]
     torch.ops.forge.fused_linear_update_(weight.data, grad_output_t, input, states, state["step"], hyperparameters,
-                                         rule.name, list(view.options), grad_min, grad_max)  # fmt: skip
+                                         optimizer._forge_rule_name, list(view.options), grad_min, grad_max)  # fmt: skip
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)
