@@ -33,18 +33,22 @@ def mse_step(model, optimizer, detach=True):
     return train_step
 
 
-def train_mlp_side_by_side(step, reference_step, steps: int):
-    """``steps`` steps of both on the same random MLP batches, the losses equal each step;
-    the first through ``forge_compile.explain``, whose report is returned."""
+def train_side_by_side(step, reference_step, batches):
+    """Both on each batch, the losses equal each step (NaN where torch's is NaN); the first
+    step through ``forge_compile.explain``, whose report is returned."""
     import forge_compile
 
-    x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
-    report = forge_compile.explain(step, x, y)
-    reference_step(x, y)
-    for _ in range(steps - 1):
-        x, y = torch.randn(4, 5, 12), torch.randn(4, 5, 6)
-        torch.testing.assert_close(step(x, y), reference_step(x, y), rtol=1e-5, atol=1e-6)
+    report = forge_compile.explain(step, *batches[0])
+    reference_step(*batches[0])
+    for batch in batches[1:]:
+        torch.testing.assert_close(step(*batch), reference_step(*batch), rtol=1e-5, atol=1e-6, equal_nan=True)
     return report
+
+
+def train_mlp_side_by_side(step, reference_step, steps: int):
+    """:func:`train_side_by_side` on ``steps`` random MLP batches."""
+    return train_side_by_side(step, reference_step, [(torch.randn(4, 5, 12), torch.randn(4, 5, 6))
+                                                     for _ in range(steps)])  # fmt: skip
 
 
 def twin(model: nn.Module) -> nn.Module:

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import MLP, assert_close_params, assert_matches_torch_optim, mse_step, twin
+from helpers import MLP, assert_close_params, assert_matches_torch_optim, mse_step, train_side_by_side, twin
 from torch import nn
 
 import forge_compile
@@ -12,14 +12,7 @@ def _side_by_side(model, make_batch, steps=3, lr=1e-2):
     reference = twin(model)
     step = torch.compile(mse_step(model, forge_compile.optim.AdamW(model.parameters(), lr=lr)), backend="forge")
     reference_step = mse_step(reference, torch.optim.AdamW(reference.parameters(), lr=lr))
-    report = None
-    for i in range(steps):
-        x, y = make_batch()
-        if i == 0:
-            report = forge_compile.explain(step, x, y)
-        else:
-            step(x, y)
-        reference_step(x, y)
+    report = train_side_by_side(step, reference_step, [make_batch() for _ in range(steps)])
     return model, reference, report
 
 

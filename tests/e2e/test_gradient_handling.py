@@ -5,7 +5,7 @@
 
 import pytest
 import torch
-from helpers import MLP, assert_matches_torch_optim, twin
+from helpers import MLP, assert_matches_torch_optim, train_side_by_side, twin
 
 import forge_compile
 
@@ -29,14 +29,9 @@ def _side_by_side(between, steps=5, lr=1e-2):
                          backend="forge")  # fmt: skip
     reference_step = _step_with(reference, torch.optim.AdamW(reference.parameters(), lr=lr), between)
     generator = torch.Generator().manual_seed(1)
-    report = None
-    for i in range(steps):
-        x, y = torch.randn(4, 5, 12, generator=generator), torch.randn(4, 5, 6, generator=generator)
-        if i == 0:
-            report = forge_compile.explain(step, x, y)
-        else:
-            step(x, y)
-        reference_step(x, y)
+    batches = [(torch.randn(4, 5, 12, generator=generator), torch.randn(4, 5, 6, generator=generator))
+               for _ in range(steps)]  # fmt: skip
+    report = train_side_by_side(step, reference_step, batches)
     assert_matches_torch_optim(model, reference, lr=lr, steps=steps)
     return model, reference, report
 
