@@ -31,6 +31,16 @@ def _unique_graphs():
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def _adamw_pair(lr):
+    """An MLP with forge's AdamW compiled, and its twin with torch's AdamW eager."""
+    model = MLP()
+    reference = twin(model)
+    opt = forge_compile.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.1)
+    step, reference_step = torch.compile(mse_step(model, opt), backend="forge"), mse_step(reference, reference_opt)
+    return model, reference, opt, reference_opt, step, reference_step
+
+
 SCHEDULERS = {
     "StepLR": lambda o: lr_scheduler.StepLR(o, step_size=10, gamma=0.5),
     "CosineAnnealingLR": lambda o: lr_scheduler.CosineAnnealingLR(o, T_max=100, eta_min=1e-5),
@@ -46,12 +56,8 @@ SCHEDULERS = {
 
 @pytest.mark.parametrize("name", list(SCHEDULERS))
 def test_scheduler_changes_lr_every_step_in_one_graph(name):
-    model = MLP()
-    reference = twin(model)
-    opt = forge_compile.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    reference_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1)
+    model, reference, opt, reference_opt, step, reference_step = _adamw_pair(lr=3e-3)
     scheduler, reference_scheduler = SCHEDULERS[name](opt), SCHEDULERS[name](reference_opt)
-    step, reference_step = torch.compile(mse_step(model, opt), backend="forge"), mse_step(reference, reference_opt)
     lrs = set()
     for x, y in _batches(100):
         step(x, y), reference_step(x, y)
@@ -65,11 +71,7 @@ def test_scheduler_changes_lr_every_step_in_one_graph(name):
 
 
 def test_weight_decay_and_betas_written_by_user_code_do_not_recompile():
-    model = MLP()
-    reference = twin(model)
-    opt = forge_compile.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    step, reference_step = torch.compile(mse_step(model, opt), backend="forge"), mse_step(reference, reference_opt)
+    model, reference, opt, reference_opt, step, reference_step = _adamw_pair(lr=1e-2)
     for i, (x, y) in enumerate(_batches(8)):
         step(x, y), reference_step(x, y)
         for group in (*opt.param_groups, *reference_opt.param_groups):
@@ -82,11 +84,7 @@ def test_weight_decay_and_betas_written_by_user_code_do_not_recompile():
 
 def test_weight_decay_switched_off_recompiles_once_and_stays_right():
     """0 switches the decay term off (torch skips it too): one more graph, never a wrong step."""
-    model = MLP()
-    reference = twin(model)
-    opt = forge_compile.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    step, reference_step = torch.compile(mse_step(model, opt), backend="forge"), mse_step(reference, reference_opt)
+    model, reference, opt, reference_opt, step, reference_step = _adamw_pair(lr=1e-2)
     for i, (x, y) in enumerate(_batches(6)):
         step(x, y), reference_step(x, y)
         if i == 2:
