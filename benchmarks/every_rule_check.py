@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.references import LionReference  # noqa: E402
-from benchmarks.utils import write_result  # noqa: E402
+from benchmarks.utils import causal_lm_train_step, write_result  # noqa: E402
 
 STEPS = 8  # RAdam's rectified steps start at 6
 
@@ -61,13 +61,7 @@ def _config(tiny: bool):
 def _train(model, optimizer, batches, compile_with=None):
     import forge_compile
 
-    def train_step(input_ids):
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.detach()
-
+    train_step = causal_lm_train_step(model, optimizer)
     step = torch.compile(train_step, backend=compile_with) if compile_with else train_step
     report = forge_compile.explain(step, batches[0]) if compile_with == "forge" else step(batches[0])
     losses = []

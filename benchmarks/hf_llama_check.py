@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.utils import run_in_subprocess, write_result  # noqa: E402
+from benchmarks.utils import causal_lm_train_step, run_in_subprocess, write_result  # noqa: E402
 
 MODES = ("eager-fp64", "eager", "inductor", "forge-unfused", "forge")
 STEPS = 8
@@ -116,12 +116,7 @@ def run_mode(mode: str, tiny: bool, device: str, save_to: str) -> dict:
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
 
-    def train_step(input_ids):
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.detach()
+    train_step = causal_lm_train_step(model, optimizer)
 
     step = train_step
     if not mode.startswith("eager"):

@@ -49,3 +49,16 @@ def run_in_subprocess(module: str, args: list[str], timeout: float = 900) -> dic
     if proc.returncode != 0:
         raise RuntimeError(f"{module} {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def causal_lm_train_step(model, optimizer):
+    """A Hugging Face causal LM's training step on its own tokens as labels, loss detached."""
+
+    def train_step(input_ids):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return train_step
