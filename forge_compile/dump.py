@@ -18,6 +18,7 @@ before and after its rewrite and its decisions. They go to
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -30,6 +31,7 @@ from .config import config
 log = logging.getLogger(__name__)
 
 
+@functools.cache
 def _graphs_log() -> logging.Logger:
     import forge_compile_torch_logs as names
 

@@ -228,12 +228,10 @@ def _notes(records: list[GraphRecord], fn: Callable, args, kwargs) -> list[str]:
             "gradient was materialized; remove the graph break (TORCH_LOGS=graph_breaks shows where)"
         )
     if not has_updates:
+        from .optim import ForgeOptimizer, forge_class_for
+
         for optimizer in _optimizers_reachable_from(fn, args, kwargs):
-            from .optim import ForgeOptimizer
-
             if not isinstance(optimizer, ForgeOptimizer):
-                from .optim import forge_class_for
-
                 cls = type(optimizer)
                 try:
                     forge_class_for(cls)
