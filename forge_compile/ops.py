@@ -17,12 +17,14 @@ recompile) and its static switches as ``options`` ints.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import rules
+from .rules import storage
 from .config import config
 
 # A chunk of the CPU path's gradient holds about this many fp32 elements (4 MiB).
@@ -37,14 +39,22 @@ def apply_rule(
     step: Tensor,
     hyperparameters: list[Tensor],
     options: tuple[int, ...],
+    quantized_states: bool = False,
+    rounding_seed: Optional[int] = None,
+    first_row: int = 0,
 ) -> tuple[Tensor, list[Tensor]]:
-    """The rule on torch tensors, in fp32 (float64 for float64 parameters, as torch.optim
-    computes them): returns (new param, new active states) in that dtype.
+    """The rule on torch tensors: returns (new param, new states) as they are stored.
+
+    The math is fp32 (float64 for float64 parameters, as torch.optim computes them). With
+    ``quantized_states`` the states are the 8-bit codes of each active state followed by
+    their block scales (:mod:`forge_compile.rules.storage`), and so are the new ones.
+    ``rounding_seed`` rounds a bf16 parameter stochastically (``first_row``: where
+    ``param`` starts in its weight, so that each element draws its own bits).
 
     Every torch path runs this: the functional op, the unfused decomposition that
     Inductor compiles, and the CPU implementation of the fused op.
     """
-    compute = torch.float64 if param.dtype == torch.float64 else torch.float32
+    compute = torch.float64 if param.dtype == torch.float64 and not quantized_states else torch.float32
     coefficients = rule.torch_coefficients(
         step.to(torch.float64),
         *[h.to(torch.float64) for h in hyperparameters],
@@ -53,30 +63,110 @@ def apply_rule(
     coefficients = [c.to(compute) for c in coefficients]
     param_c = param.to(compute)
     active = rule.active_states(tuple(options))
-    slots, given = [], iter(states)
+    signed = [not nonnegative for nonnegative, on in zip(rule.nonnegative_states, active) if on]
+    if quantized_states:
+        codes, scales = states[: len(signed)], states[len(signed) :]
+        values = [_dequantize(c, a, is_signed) for c, a, is_signed in zip(codes, scales, signed)]
+    else:
+        values = [s.to(compute) for s in states]
+    slots, given = [], iter(values)
     for is_active in active:
-        slots.append(next(given).to(compute) if is_active else param_c)
+        slots.append(next(given) if is_active else param_c)
     slots += [param_c] * (rules.MAX_STATES - len(slots))
     out = rule.torch_elementwise(
         param_c, grad.to(compute), *slots, *coefficients, *options,
         *[0] * (rules.MAX_OPTIONS - len(options)),
     )  # fmt: skip
-    new_states = [s for s, is_active in zip(out[1:], active) if is_active]
-    return out[0], new_states
+    new_values = [s for s, is_active in zip(out[1:], active) if is_active]
+    if quantized_states:
+        stored = [_quantize(v, c.dtype, is_signed) for v, c, is_signed in zip(new_values, codes, signed)]
+        new_states = [c for c, _ in stored] + [a for _, a in stored]
+    else:
+        new_states = [v.to(s.dtype) for v, s in zip(new_values, states)]
+    new_param = out[0]
+    if rounding_seed is not None and param.dtype == torch.bfloat16:
+        new_param = _round_stochastically(new_param, step, rounding_seed, first_row)
+    return new_param.to(param.dtype), new_states
 
 
-def _check_update_arguments(rule_name, param, states, hyperparameters, options):
+def _as_rows(t: Tensor) -> Tensor:
+    """A parameter-shaped tensor as the [rows, columns] matrix its 8-bit blocks run along."""
+    return t.reshape(t.shape[0], -1)
+
+
+def _padded_columns(columns: int) -> int:
+    return -(-columns // storage.QUANT_BLOCK) * storage.QUANT_BLOCK
+
+
+def _dequantize(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
+    rows = _as_rows(codes)
+    padding = _padded_columns(rows.shape[1]) - rows.shape[1]
+    padded = torch.nn.functional.pad(rows.to(torch.float32), (0, padding))
+    values = _torch_storage("dequantize_blocks")(padded, scales, *padded.shape, storage.QUANT_BLOCK, signed)
+    return values[:, : rows.shape[1]].reshape(codes.shape)
+
+
+def _quantize(values: Tensor, code_dtype: torch.dtype, signed: bool) -> tuple[Tensor, Tensor]:
+    rows = _as_rows(values)
+    padding = _padded_columns(rows.shape[1]) - rows.shape[1]
+    padded = torch.nn.functional.pad(rows.to(torch.float32), (0, padding))
+    codes, scales = _torch_storage("quantize_blocks")(padded, *padded.shape, storage.QUANT_BLOCK, signed)
+    return codes[:, : rows.shape[1]].to(code_dtype).reshape(values.shape), scales
+
+
+def _round_stochastically(values: Tensor, step: Tensor, seed: int, first_row: int) -> Tensor:
+    rows = _as_rows(values)
+    index = (torch.arange(rows.shape[0], device=values.device) + first_row)[:, None] * rows.shape[1] + torch.arange(
+        rows.shape[1], device=values.device
+    )
+    key = _torch_storage("rounding_key")(seed, step)
+    return _torch_storage("round_bfloat16_stochastically")(rows.to(torch.float32), index, key).reshape(values.shape)
+
+
+@functools.cache
+def _torch_storage(name: str):
+    return rules._in_torch_dialect(getattr(storage, name))
+
+
+def scale_shape(param_shape: tuple[int, ...]) -> tuple[int, int]:
+    """The [rows, blocks] shape of the scales of an 8-bit state of a parameter of this shape."""
+    rows = param_shape[0]
+    columns = 1
+    for size in param_shape[1:]:
+        columns *= size
+    return rows, _padded_columns(columns) // storage.QUANT_BLOCK
+
+
+def _check_update_arguments(rule_name, param, states, hyperparameters, options, quantized_states=False):
     rule = rules.get(rule_name)
     expected = sum(rule.active_states(tuple(options)))
-    if len(states) != expected:
-        raise ValueError(f"forge: rule {rule_name} with options {list(options)} takes {expected} states, got {len(states)}")
+    if len(states) != expected * (2 if quantized_states else 1):
+        raise ValueError(
+            f"forge: rule {rule_name} with options {list(options)} takes {expected} states"
+            + (f" (codes, then scales: {2 * expected} tensors)" if quantized_states else "")
+            + f", got {len(states)}"
+        )
     if len(hyperparameters) != len(rule.scalar_inputs):
         raise ValueError(
             f"forge: rule {rule_name} takes hyperparameters {rule.scalar_inputs}, got {len(hyperparameters)} tensors"
         )
-    for s in states:
+    codes, scales = (states[:expected], states[expected:]) if quantized_states else (states, [])
+    for s in codes:
         if s.shape != param.shape:
             raise ValueError(f"forge: state of shape {tuple(s.shape)} for a parameter of shape {tuple(param.shape)}")
+    if quantized_states:
+        if param.dim() < 2:
+            raise ValueError("forge: 8-bit states need a parameter of 2 or more dimensions")
+        for c, a, nonnegative in zip(codes, scales, [n for n, on in zip(rule.nonnegative_states,
+                                                                        rule.active_states(tuple(options))) if on]):
+            wanted = torch.uint8 if nonnegative else torch.int8
+            if c.dtype != wanted:
+                raise ValueError(f"forge: {'non-negative' if nonnegative else 'signed'} 8-bit state codes are {wanted}, got {c.dtype}")
+            if tuple(a.shape) != scale_shape(tuple(param.shape)) or a.dtype != torch.float32:
+                raise ValueError(
+                    f"forge: 8-bit state scales must be float32 of shape {scale_shape(tuple(param.shape))}, "
+                    f"got {a.dtype} {tuple(a.shape)}"
+                )
     return rule
 
 
@@ -95,26 +185,32 @@ def optimizer_update(
     hyperparameters: list[Tensor],
     rule: str,
     options: list[int],
+    quantized_states: bool = False,
+    rounding_seed: Optional[int] = None,
 ) -> list[Tensor]:
     """One parameter's optimizer update, functional: returns [new param, *new states].
 
     ``step`` is the already incremented step count (0-d), ``hyperparameters`` the rule's
     0-d tensors in the rule's order (``Rule.scalar_inputs``: the group's hyperparameters,
     then per-parameter scalar states such as NAdam's ``mu_product``, already advanced),
-    ``options`` its static switches.
+    ``options`` its static switches. ``quantized_states``: ``states`` are 8-bit codes
+    followed by their scales; ``rounding_seed``: a bf16 ``param`` is rounded stochastically
+    (see :func:`apply_rule`).
 
     Example::
 
         new_p, new_m, new_v = torch.ops.forge.optimizer_update(
             p, g, [m, v], step, [lr, beta1, beta2, eps, wd], "adam", [1, 0, 0, 1])
     """
-    the_rule = _check_update_arguments(rule, param, states, hyperparameters, options)
-    new_param, new_states = apply_rule(the_rule, param, grad, states, step, hyperparameters, tuple(options))
+    the_rule = _check_update_arguments(rule, param, states, hyperparameters, options, quantized_states)
+    new_param, new_states = apply_rule(the_rule, param, grad, states, step, hyperparameters, tuple(options),
+                                       quantized_states, rounding_seed)  # fmt: skip
     return [_distinct_output(new_param, param)] + [_distinct_output(n, s) for n, s in zip(new_states, states)]
 
 
 @optimizer_update.register_fake
-def _optimizer_update_fake(param, grad, states, step, hyperparameters, rule, options):
+def _optimizer_update_fake(param, grad, states, step, hyperparameters, rule, options, quantized_states=False,
+                           rounding_seed=None):  # fmt: skip
     return [torch.empty_like(param)] + [torch.empty_like(s) for s in states]
 
 
@@ -130,19 +226,22 @@ def fused_linear_update_(
     options: list[int],
     grad_min: Optional[float] = None,
     grad_max: Optional[float] = None,
+    quantized_states: bool = False,
+    rounding_seed: Optional[int] = None,
 ) -> None:
     """Update ``weight`` and ``states`` in place with the gradient ``grad_output_t @ input``.
 
     ``grad_output_t`` is [out_features, tokens] and ``input`` [tokens, in_features], any
     strides; the gradient is accumulated in fp32 and never stored. ``grad_min``/``grad_max``
-    clamp it first, as ``torch.nn.utils.clip_grad_value_`` does.
+    clamp it first, as ``torch.nn.utils.clip_grad_value_`` does. ``quantized_states`` and
+    ``rounding_seed`` as for ``forge::optimizer_update``.
 
     Example::
 
         torch.ops.forge.fused_linear_update_(
             w, dy.t(), x, [m, v], step, [lr, beta1, beta2, eps, wd], "adam", [1, 0, 0, 1])
     """
-    the_rule = _check_update_arguments(rule, weight, states, hyperparameters, options)
+    the_rule = _check_update_arguments(rule, weight, states, hyperparameters, options, quantized_states)
     if grad_output_t.shape[0] != weight.shape[0] or input.shape[1] != weight.shape[1] or (
         grad_output_t.shape[1] != input.shape[0]
     ):
@@ -154,15 +253,15 @@ def fused_linear_update_(
         from .kernels.linear_update import fused_linear_update
 
         fused_linear_update(the_rule, weight, grad_output_t, input, states, step, hyperparameters, tuple(options),
-                            grad_min, grad_max)  # fmt: skip
+                            grad_min, grad_max, quantized_states, rounding_seed)  # fmt: skip
     else:
         _fused_linear_update_torch(the_rule, weight, grad_output_t, input, states, step, hyperparameters,
-                                   tuple(options), grad_min, grad_max)  # fmt: skip
+                                   tuple(options), grad_min, grad_max, quantized_states, rounding_seed)  # fmt: skip
 
 
 @fused_linear_update_.register_fake
 def _fused_linear_update_fake(weight, grad_output_t, input, states, step, hyperparameters, rule, options,
-                              grad_min=None, grad_max=None):  # fmt: skip
+                              grad_min=None, grad_max=None, quantized_states=False, rounding_seed=None):  # fmt: skip
     return None
 
 
@@ -175,7 +274,7 @@ def _use_triton(weight: Tensor) -> bool:
 
 
 def _fused_linear_update_torch(rule, weight, grad_output_t, input, states, step, hyperparameters, options,
-                               grad_min=None, grad_max=None):  # fmt: skip
+                               grad_min=None, grad_max=None, quantized_states=False, rounding_seed=None):  # fmt: skip
     """The fused op's math with torch ops: fp32 gradient of a row chunk, then the rule."""
     rows_per_chunk = max(1, _CPU_CHUNK_ELEMENTS // max(1, weight.shape[1]))
     input32 = input.to(torch.float32)
@@ -185,8 +284,9 @@ def _fused_linear_update_torch(rule, weight, grad_output_t, input, states, step,
         if grad_min is not None or grad_max is not None:
             grad = grad.clamp(grad_min, grad_max)
         new_weight, new_states = apply_rule(
-            rule, weight[rows], grad, [s[rows] for s in states], step, hyperparameters, options
-        )
+            rule, weight[rows], grad, [s[rows] for s in states], step, hyperparameters, options,
+            quantized_states, rounding_seed, first_row=start,
+        )  # fmt: skip
         weight[rows].copy_(new_weight)
         for state, new in zip(states, new_states):
             state[rows].copy_(new)

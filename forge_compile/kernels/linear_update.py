@@ -23,14 +23,25 @@ import triton.language as tl
 
 from .. import rules
 from ..config import config
+from ..rules import storage
+from ..rules.storage import (
+    dequantize_blocks,
+    quantize_blocks,
+    round_bfloat16_stochastically,
+    rounding_key,
+)
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _configs():
     if _INTERPRETING:
-        # The interpreter runs every trial on the CPU: one small config keeps tests fast.
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=1)]
+        # The interpreter runs every trial on the CPU: one small config (per state
+        # format: 8-bit blocks need 64 columns) keeps tests fast.
+        return [
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=1)
+            for n in (16, storage.QUANT_BLOCK)
+        ]
     # Candidate tiles for Hopper: 128x128 for large weights, narrower tiles so that small
     # weights still fill the 132 SMs, and 64-wide K steps to keep bf16 tiles in shared
     # memory at 3-4 stages with the fp32 state tiles of the epilogue in registers.
@@ -43,6 +54,14 @@ def _configs():
     ]
 
 
+def _configs_for_format(configs, named_args, **kwargs):
+    """8-bit states: tiles of whole 64-column blocks; plain states: every config (the
+    interpreter's smallest only)."""
+    if kwargs.get("QUANTIZED"):
+        return [c for c in configs if c.kwargs["BLOCK_N"] % storage.QUANT_BLOCK == 0]
+    return configs[:1] if _INTERPRETING else configs
+
+
 def _autotune(**kwargs):
     if "cache_results" in triton.autotune.__code__.co_varnames:
         kwargs["cache_results"] = True
@@ -51,17 +70,21 @@ def _autotune(**kwargs):
 
 @_autotune(
     configs=_configs(),
-    key=["M", "N", "K", "RULE_KEY"],
-    restore_value=["w_ptr", "s0_ptr", "s1_ptr", "s2_ptr"],
+    key=["M", "N", "K", "RULE_KEY", "QUANTIZED", "ROUND_STOCHASTIC"],
+    restore_value=["w_ptr", "s0_ptr", "s1_ptr", "s2_ptr", "q0_ptr", "q1_ptr", "q2_ptr"],
+    prune_configs_by={"early_config_prune": _configs_for_format},
 )
 @triton.jit
 def _fused_linear_update_kernel(
-    w_ptr, a_ptr, b_ptr, s0_ptr, s1_ptr, s2_ptr,
+    w_ptr, a_ptr, b_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
     step_ptr, h0_ptr, h1_ptr, h2_ptr, h3_ptr, h4_ptr, h5_ptr, h6_ptr, h7_ptr,
-    M, N, K, grad_min, grad_max,
+    M, N, K, grad_min, grad_max, rounding_seed,
     stride_wm, stride_wn, stride_am, stride_ak, stride_bk, stride_bn,
     stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
+    stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
     RULE_KEY: tl.constexpr,
+    QUANTIZED: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
+    ROUND_STOCHASTIC: tl.constexpr, QUANT_BLOCK: tl.constexpr,
     COEFFICIENTS: tl.constexpr, ELEMENTWISE: tl.constexpr,
     HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
     O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr,
@@ -128,6 +151,25 @@ def _fused_linear_update_kernel(
         s1 = tl.load(s1_ptrs, mask=mask, other=0.0).to(tl.float32)
     if HAS_S2:
         s2 = tl.load(s2_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if QUANTIZED:
+        # 8-bit states: a tile holds whole 64-column blocks, so this program owns their scales.
+        blocks_per_tile: tl.constexpr = BLOCK_N // QUANT_BLOCK
+        rq = pid_n * blocks_per_tile + tl.arange(0, blocks_per_tile)
+        if INDEX_64:
+            rq = rq.to(tl.int64)
+        q_mask = mask_m[:, None] & (rq[None, :] < tl.cdiv(N, QUANT_BLOCK))
+        q0_ptrs = q0_ptr + rm[:, None] * stride_q0m + rq[None, :] * stride_q0n
+        q1_ptrs = q1_ptr + rm[:, None] * stride_q1m + rq[None, :] * stride_q1n
+        q2_ptrs = q2_ptr + rm[:, None] * stride_q2m + rq[None, :] * stride_q2n
+        if HAS_S0:
+            s0 = dequantize_blocks(s0, tl.load(q0_ptrs, mask=q_mask, other=0.0), BLOCK_M, BLOCK_N,
+                                   QUANT_BLOCK, SIGNED0)
+        if HAS_S1:
+            s1 = dequantize_blocks(s1, tl.load(q1_ptrs, mask=q_mask, other=0.0), BLOCK_M, BLOCK_N,
+                                   QUANT_BLOCK, SIGNED1)
+        if HAS_S2:
+            s2 = dequantize_blocks(s2, tl.load(q2_ptrs, mask=q_mask, other=0.0), BLOCK_M, BLOCK_N,
+                                   QUANT_BLOCK, SIGNED2)
 
     w, s0, s1, s2 = ELEMENTWISE(
         w, acc, s0, s1, s2,
@@ -137,7 +179,22 @@ def _fused_linear_update_kernel(
         O0, O1, O2, O3,
     )  # fmt: skip
 
+    if ROUND_STOCHASTIC:
+        element_index = rm[:, None] * N + rn[None, :]
+        w = round_bfloat16_stochastically(w, element_index, rounding_key(rounding_seed, tl.load(step_ptr)))
     tl.store(w_ptrs, w.to(w_ptr.dtype.element_ty), mask=mask)
+    if QUANTIZED:
+        # Columns past N are zero in the rule's output only if the state was: mask them out
+        # of the block maxima.
+        if HAS_S0:
+            s0, scale0 = quantize_blocks(tl.where(mask, s0, 0.0), BLOCK_M, BLOCK_N, QUANT_BLOCK, SIGNED0)
+            tl.store(q0_ptrs, scale0, mask=q_mask)
+        if HAS_S1:
+            s1, scale1 = quantize_blocks(tl.where(mask, s1, 0.0), BLOCK_M, BLOCK_N, QUANT_BLOCK, SIGNED1)
+            tl.store(q1_ptrs, scale1, mask=q_mask)
+        if HAS_S2:
+            s2, scale2 = quantize_blocks(tl.where(mask, s2, 0.0), BLOCK_M, BLOCK_N, QUANT_BLOCK, SIGNED2)
+            tl.store(q2_ptrs, scale2, mask=q_mask)
     if HAS_S0:
         tl.store(s0_ptrs, s0.to(s0_ptr.dtype.element_ty), mask=mask)
     if HAS_S1:
@@ -169,9 +226,13 @@ def fused_linear_update(
     options: tuple[int, ...],
     grad_min: float | None = None,
     grad_max: float | None = None,
+    quantized_states: bool = False,
+    rounding_seed: int | None = None,
 ) -> None:
     """Launch the fused kernel: ``weight``/``states`` updated in place with ``grad_output_t @ input``,
-    clamped to ``[grad_min, grad_max]`` first where given.
+    clamped to ``[grad_min, grad_max]`` first where given. With ``quantized_states``,
+    ``states`` are 8-bit codes followed by their scales; ``rounding_seed`` rounds a bf16
+    weight stochastically (:mod:`forge_compile.rules.storage`).
 
     Example::
 
@@ -184,18 +245,25 @@ def fused_linear_update(
             f"forge: kernel needs grad_output_t [{M}, T] and input [T, {N}], got "
             f"{tuple(grad_output_t.shape)} and {tuple(input.shape)}"
         )
-    for name, t in (("weight", weight), ("grad_output_t", grad_output_t), ("input", input), *(("state", s) for s in states)):
-        if t.dtype not in _SUPPORTED_DTYPES:
+    active = rule.active_states(options)
+    n_states = sum(active)
+    codes, scales = (states[:n_states], states[n_states:]) if quantized_states else (states, [])
+    for name, t in (("weight", weight), ("grad_output_t", grad_output_t), ("input", input), *(("state", s) for s in codes)):
+        if t.dtype not in _SUPPORTED_DTYPES and not (quantized_states and t.dtype in (torch.int8, torch.uint8)):
             raise TypeError(f"forge: the fused kernel takes fp32/bf16/fp16 tensors; {name} is {t.dtype}")
         if t.device != weight.device:
             raise ValueError(f"forge: {name} is on {t.device}, the weight on {weight.device}")
     if weight.numel() == 0:
         return
-    active = rule.active_states(options)
-    slots, given = [], iter(states)
-    for is_active in active:
+    slots, scale_slots, given, given_scales = [], [], iter(codes), iter(scales)
+    signed = []
+    for is_active, nonnegative in zip(active, rule.nonnegative_states):
         slots.append(next(given) if is_active else weight)
+        scale_slots.append(next(given_scales) if is_active and quantized_states else weight)
+        signed.append(not nonnegative)
     slots += [weight] * (rules.MAX_STATES - len(slots))
+    scale_slots += [weight] * (rules.MAX_STATES - len(scale_slots))
+    signed += [True] * (rules.MAX_STATES - len(signed))
     has = list(active) + [False] * (rules.MAX_STATES - len(active))
     scalars = [step, *hyperparameters] + [step] * (rules.MAX_HYPERPARAMETERS - len(hyperparameters))
     opts = list(options) + [0] * (rules.MAX_OPTIONS - len(options))
@@ -207,24 +275,31 @@ def fused_linear_update(
     if grad_output_t.dtype != input.dtype:
         common = torch.promote_types(grad_output_t.dtype, input.dtype)
         grad_output_t, input = grad_output_t.to(common), input.to(common)
-    index_64 = max(_max_offset(t) for t in (weight, grad_output_t, input, *slots)) >= 2**31 - 1
+    index_64 = max(_max_offset(t) for t in (weight, grad_output_t, input, *slots, *scale_slots)) >= 2**31 - 1
+    index_64 = index_64 or M * N >= 2**31 - 1  # the element index of stochastic rounding
 
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     with torch.cuda.device(weight.device) if weight.is_cuda else contextlib.nullcontext():
         _fused_linear_update_kernel[grid](
-            weight, grad_output_t, input, *slots,
+            weight, grad_output_t, input, *slots, *scale_slots,
             *scalars,
             M, N, K, 0.0 if grad_min is None else float(grad_min), 0.0 if grad_max is None else float(grad_max),
+            0 if rounding_seed is None else int(rounding_seed),
             weight.stride(0), weight.stride(1),
             grad_output_t.stride(0), grad_output_t.stride(1),
             input.stride(0), input.stride(1),
             slots[0].stride(0), slots[0].stride(1), slots[1].stride(0), slots[1].stride(1),
             slots[2].stride(0), slots[2].stride(1),
+            scale_slots[0].stride(0), scale_slots[0].stride(1), scale_slots[1].stride(0), scale_slots[1].stride(1),
+            scale_slots[2].stride(0), scale_slots[2].stride(1),
             RULE_KEY=_rule_key(rule.name, options),
             COEFFICIENTS=rule.triton_coefficients, ELEMENTWISE=rule.triton_elementwise,
             HAS_S0=has[0], HAS_S1=has[1], HAS_S2=has[2],
             O0=opts[0], O1=opts[1], O2=opts[2], O3=opts[3],
             DOT_PRECISION=dot_precision, INDEX_64=index_64, CLAMP_MIN=grad_min is not None,
             CLAMP_MAX=grad_max is not None,
+            QUANTIZED=quantized_states, SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
+            ROUND_STOCHASTIC=rounding_seed is not None and weight.dtype == torch.bfloat16,
+            QUANT_BLOCK=storage.QUANT_BLOCK,
         )  # fmt: skip
 

@@ -59,6 +59,9 @@ class Rule:
     elementwise: Callable = field(repr=False)
     active_states: Callable[[tuple[int, ...]], tuple[bool, ...]] = field(repr=False)
     """Which state slots exist for given option values (amsgrad adds one)."""
+    nonnegative_states: tuple[bool, ...] = ()
+    """Per state slot: never negative (second moments, sums of squares). 8-bit states store
+    those with the unsigned code (:mod:`forge_compile.rules.storage`), the others signed."""
     scalar_states: tuple[str, ...] = ()
     """Per-parameter 0-d states (torch.optim keys), after the hyperparameters in ``coefficients``."""
     scalar_initial_values: tuple[float, ...] = ()
@@ -73,6 +76,8 @@ class Rule:
             raise ValueError(f"rule {self.name}: at most {MAX_HYPERPARAMETERS} hyperparameters and scalar states")
         if len(self.options) > MAX_OPTIONS:
             raise ValueError(f"rule {self.name}: at most {MAX_OPTIONS} options")
+        if len(self.nonnegative_states) != len(self.state_keys):
+            raise ValueError(f"rule {self.name}: nonnegative_states needs one entry per state")
         if len(self.scalar_initial_values) != len(self.scalar_states) or (
             bool(self.scalar_states) != (self.advance is not None)
         ):

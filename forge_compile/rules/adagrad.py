@@ -33,6 +33,7 @@ ADAGRAD = register(
     Rule(
         name="adagrad",
         state_keys=("sum",),
+        nonnegative_states=(True,),
         hyperparameters=("lr", "lr_decay", "weight_decay", "eps"),
         options=("maximize", "weight_decay"),
         coefficients=adagrad_coefficients,

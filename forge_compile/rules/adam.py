@@ -49,6 +49,7 @@ ADAM = register(
     Rule(
         name="adam",
         state_keys=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+        nonnegative_states=(False, True, True),
         hyperparameters=("lr", "beta1", "beta2", "eps", "weight_decay"),
         options=("decoupled_weight_decay", "amsgrad", "maximize", "weight_decay"),
         coefficients=adam_coefficients,

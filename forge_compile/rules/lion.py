@@ -34,6 +34,7 @@ LION = register(
     Rule(
         name="lion",
         state_keys=("exp_avg",),
+        nonnegative_states=(False,),
         hyperparameters=("lr", "beta1", "beta2", "weight_decay"),
         options=("maximize", "weight_decay"),
         coefficients=lion_coefficients,

@@ -54,6 +54,7 @@ NADAM = register(
     Rule(
         name="nadam",
         state_keys=("exp_avg", "exp_avg_sq"),
+        nonnegative_states=(False, True),
         hyperparameters=("lr", "beta1", "beta2", "eps", "weight_decay", "momentum_decay"),
         options=("decoupled_weight_decay", "maximize", "weight_decay"),
         coefficients=nadam_coefficients,

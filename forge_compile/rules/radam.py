@@ -47,6 +47,7 @@ RADAM = register(
     Rule(
         name="radam",
         state_keys=("exp_avg", "exp_avg_sq"),
+        nonnegative_states=(False, True),
         hyperparameters=("lr", "beta1", "beta2", "eps", "weight_decay"),
         options=("decoupled_weight_decay", "maximize", "weight_decay"),
         coefficients=radam_coefficients,

@@ -45,6 +45,7 @@ RMSPROP = register(
     Rule(
         name="rmsprop",
         state_keys=("square_avg", "momentum_buffer", "grad_avg"),
+        nonnegative_states=(True, False, False),
         hyperparameters=("lr", "alpha", "eps", "weight_decay", "momentum"),
         options=("centered", "momentum", "maximize", "weight_decay"),
         coefficients=rmsprop_coefficients,

@@ -46,6 +46,7 @@ SGD = register(
     Rule(
         name="sgd",
         state_keys=("momentum_buffer",),
+        nonnegative_states=(False,),
         hyperparameters=("lr", "momentum", "dampening", "weight_decay"),
         options=("momentum", "nesterov", "maximize", "weight_decay"),
         coefficients=sgd_coefficients,

@@ -57,3 +57,33 @@ def minimum(x, y, propagate_nan=PropagateNan.ALL):
 
 def where(condition, x, y):
     return torch.where(condition, x, y)
+
+
+# 32-bit unsigned integers are held in int64: the storage helpers mask every result to
+# 32 bits, and int64 keeps their products exact (or exact modulo 2**64, whose low 32
+# bits are what uint32 arithmetic gives).
+uint32 = torch.int64
+_LOW_32 = 0xFFFFFFFF
+
+
+def cast(x, dtype, bitcast=False):
+    if not bitcast:
+        return x.to(dtype)
+    if x.dtype == torch.float32 and dtype == uint32:
+        return x.view(torch.int32).to(torch.int64) & _LOW_32
+    if x.dtype == torch.int64 and dtype == torch.float32:
+        low = x & _LOW_32
+        return (low - ((low & 0x80000000) << 1)).to(torch.int32).view(torch.float32)
+    raise TypeError(f"forge: the torch dialect bitcasts fp32 <-> uint32 only, not {x.dtype} -> {dtype}")
+
+
+def floor(x):
+    return torch.floor(x)
+
+
+def reshape(x, shape):
+    return x.reshape(shape)
+
+
+def max(x, axis):  # noqa: A001 - mirrors tl.max
+    return x.amax(dim=axis)
