@@ -20,7 +20,24 @@ traceable by Dynamo as one graph with the backward:
   for each parameter, which forge's pass fuses into the weight-gradient matmul or hands
   to Inductor as pointwise code; ``zero_grad()`` is traceable too (torch's is not).
 
-Outside torch.compile, ``step()`` and ``zero_grad()`` are torch's own.
+Outside torch.compile, ``step()`` and ``zero_grad()`` are torch's own, unless a storage
+option below asks for math torch's classes do not have: then the eager step runs forge's
+rule with torch ops.
+
+**Storage options** (keyword arguments of every forge optimizer and of :func:`attach`):
+
+* ``state_dtype``: None (the parameter's dtype, as torch), ``torch.float32``,
+  ``torch.bfloat16``, or ``"int8"``: 8-bit blockwise states (64 elements per fp32 scale
+  along each weight row; :mod:`forge_compile.rules.storage`) for parameters of 2+
+  dimensions and at least 4096 elements, fp32 states for the small rest. An 8-bit state
+  ``exp_avg`` lives in ``state[p]["exp_avg"]`` (int8 or uint8 codes) and
+  ``state[p]["exp_avg_absmax"]`` (scales); ``state_dict()`` gives it dequantized in fp32
+  under torch's key, so checkpoints load into torch.optim and back.
+* ``stochastic_rounding``: None (on for bf16 parameters), True or False. The fp32 result
+  of each bf16 update is rounded up or down at random so that its expected value is
+  exact, which keeps sub-ULP updates: bf16 weights train without an fp32 master copy.
+* ``rounding_seed``: the seed of those roundings (default ``torch.initial_seed()`` when
+  the optimizer is built); each parameter and step draws its own bits from it.
 """
 
 from __future__ import annotations
@@ -30,8 +47,15 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .. import ops  # noqa: F401  (registers torch.ops.forge.*)
+from .. import ops  # also registers torch.ops.forge.*
 from .. import rules
+
+
+_STATE_DTYPES = (None, torch.float32, torch.bfloat16, "int8")
+_MIN_8BIT_ELEMENTS = 4096
+"""Smaller parameters (and 1-D ones) keep fp32 states under state_dtype="int8": their bytes are few."""
+_SCALE_SUFFIX = "_absmax"
+_STORAGE_ATTRIBUTES = ("_forge_state_dtype", "_forge_stochastic_rounding", "_forge_rounding_seed")
 
 
 class ParamGroup(dict):
@@ -86,8 +110,13 @@ class ParamGroup(dict):
 class _GroupView:
     """What the traced step reads of one param group: no Python floats, only tensors and switches."""
 
-    def __init__(self, optimizer: "ForgeOptimizer"):
+    def __init__(self, optimizer: "ForgeOptimizer", index: int):
         self._optimizer = optimizer
+        self.index = index
+        self.rounding_seeds: list[int | None] = []
+        """Per parameter: its stochastic-rounding seed, or None (rounds to nearest)."""
+        self.own_math = False
+        """A parameter's storage needs forge's rule outside torch.compile too."""
         self.group: dict = {}
         self.params: list[Tensor] = []
         self.options: tuple[int, ...] = ()
@@ -104,6 +133,11 @@ class _GroupView:
         params_changed = keys is None or "params" in keys
         if params_changed:
             self.params = list(group["params"])
+            self.rounding_seeds = [opt._forge_seed_for(self.index, i) if opt._forge_rounds_stochastically(p) else None
+                                   for i, p in enumerate(self.params)]  # fmt: skip
+            self.own_math = any(seed is not None for seed in self.rounding_seeds) or any(
+                opt._forge_state_format(p) != p.dtype for p in self.params
+            )
         self.options = tuple(int(o) for o in opt._forge_options(group))
         active = rule.active_states(self.options)
         state_keys = tuple(k for k, on in zip(rule.state_keys, active) if on)
@@ -157,9 +191,27 @@ class ForgeOptimizer:
     def _forge_rule(self) -> rules.Rule:
         return rules.get(self._forge_rule_name)
 
-    def __init__(self, params, *args, **kwargs):
+    def __init__(self, params, *args, state_dtype=None, stochastic_rounding=None, rounding_seed=None, **kwargs):
+        self._forge_set_storage(state_dtype, stochastic_rounding, rounding_seed)
         super().__init__(params, *args, **kwargs)
         self._forge_setup()
+
+    def _forge_set_storage(self, state_dtype, stochastic_rounding, rounding_seed) -> None:
+        if state_dtype not in _STATE_DTYPES:
+            raise ValueError(
+                f"forge: state_dtype={state_dtype!r} is not one of None (the parameter's dtype), torch.float32, "
+                "torch.bfloat16 or 'int8'"
+            )
+        if stochastic_rounding not in (None, True, False):
+            raise ValueError(f"forge: stochastic_rounding must be None (on for bf16 weights), True or False, "
+                             f"got {stochastic_rounding!r}")  # fmt: skip
+        if rounding_seed is None:
+            rounding_seed = torch.initial_seed()
+        if not isinstance(rounding_seed, int) or isinstance(rounding_seed, bool):
+            raise ValueError(f"forge: rounding_seed must be an int, got {rounding_seed!r}")
+        self._forge_state_dtype = state_dtype
+        self._forge_stochastic_rounding = stochastic_rounding
+        self._forge_rounding_seed = rounding_seed & 0x7FFFFFFF
 
     # --- what each optimizer defines -------------------------------------------------
     def _forge_options(self, group: dict) -> tuple[int, ...]:
@@ -190,7 +242,7 @@ class ForgeOptimizer:
             self._forge_check_group(group)
             if isinstance(group, ParamGroup):
                 group._forge_view = None
-            view = _GroupView(self)
+            view = _GroupView(self, index)
             wrapped = ParamGroup(view, group)
             self.param_groups[index] = wrapped
             view.refresh(wrapped)
@@ -201,6 +253,55 @@ class ForgeOptimizer:
         # the flag could never be set there and the scheduler would warn on every run.
         self._opt_called = True
         self._forge_ready = True
+
+    # --- storage -------------------------------------------------------------------------
+    def _forge_state_format(self, p: Tensor):
+        """How ``p``'s states are stored: a dtype, or ``"int8"`` (codes and block scales)."""
+        wanted = self.__dict__.get("_forge_state_dtype")
+        if wanted is None:
+            return p.dtype
+        if wanted == "int8":
+            return "int8" if p.dim() >= 2 and p.numel() >= _MIN_8BIT_ELEMENTS else torch.float32
+        return wanted
+
+    def _forge_rounds_stochastically(self, p: Tensor) -> bool:
+        wanted = self.__dict__.get("_forge_stochastic_rounding")
+        if wanted and p.dtype == torch.float16:
+            raise ValueError(
+                "forge: stochastic_rounding supports bf16 parameters; fp16 parameters round to nearest: pass "
+                "stochastic_rounding=None or False"
+            )
+        return p.dtype == torch.bfloat16 and wanted is not False
+
+    def _forge_seed_for(self, group_index: int, index: int) -> int:
+        """The rounding seed of a group's ``index``-th parameter: distinct per parameter."""
+        position = (group_index << 24) + index
+        return (self.__dict__.get("_forge_rounding_seed", 0) + position * 0x9E3779B1) & 0x7FFFFFFF
+
+    def _forge_store_state(self, p: Tensor, key: str, value: Tensor) -> None:
+        """Put ``value`` (any float dtype, or already in the format) into ``state[p][key]`` in ``p``'s format."""
+        state = self.state[p]
+        scale_key = key + _SCALE_SUFFIX
+        form = self._forge_state_format(p)
+        if form == "int8":
+            if value.dtype in (torch.int8, torch.uint8) and scale_key in state:
+                state[key] = value
+                return
+            signed = not self._forge_rule.nonnegative_states[self._forge_rule.state_keys.index(key)]
+            codes, scales = ops._quantize(value.detach().to(p.device, torch.float32), torch.int8 if signed else torch.uint8,
+                                          signed)  # fmt: skip
+            state[key], state[scale_key] = codes.contiguous(), scales
+            return
+        if value.dtype in (torch.int8, torch.uint8) and scale_key in state:
+            value = self._forge_dequantized(key, value, state.pop(scale_key))
+        state.pop(scale_key, None)
+        if value.dtype != form or value.device != p.device:
+            value = value.to(device=p.device, dtype=form)
+        state[key] = value
+
+    def _forge_dequantized(self, key: str, codes: Tensor, scales: Tensor) -> Tensor:
+        signed = not self._forge_rule.nonnegative_states[self._forge_rule.state_keys.index(key)]
+        return ops._dequantize(codes, scales, signed)
 
     def _forge_complete_state(self, p: Tensor, view: _GroupView) -> None:
         state = self.state[p]
@@ -215,8 +316,10 @@ class ForgeOptimizer:
             elif not isinstance(current, Tensor) or current.device != p.device or current.dtype != torch.float32:
                 state[key] = torch.as_tensor(current, dtype=torch.float32).to(p.device)
         for key in view.state_keys:
-            if key not in state:
-                state[key] = self._forge_initial_state(p, key, view)
+            value = state.get(key)
+            if value is None:
+                value = self._forge_initial_state(p, key, view)
+            self._forge_store_state(p, key, value)
 
     def _forge_initial_step(self, state: dict) -> float:
         """The step count of a parameter whose state has none (new, or loaded from torch)."""
@@ -229,6 +332,13 @@ class ForgeOptimizer:
         super().add_param_group(param_group)
         if self.__dict__.get("_forge_ready"):
             self._forge_setup()
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        for key in _STORAGE_ATTRIBUTES:
+            if key in self.__dict__:
+                state[key] = self.__dict__[key]
+        return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -244,6 +354,8 @@ class ForgeOptimizer:
                 )
             self._forge_traced_step()
             return None
+        if any(view.own_math for view in self._forge_groups):
+            return self._forge_rule_step(closure)
         return self._forge_eager_step(closure)
 
     # An LR scheduler replaces ``opt.step`` with a wrapper from torch/optim/lr_scheduler.py,
@@ -257,6 +369,17 @@ class ForgeOptimizer:
         graph at ``step()`` (a closure, a GradScaler): never traced as a frame of its own, since
         Dynamo's optimizer tracing does not take forge's param groups; torch's eager step it is."""
         return super().step(closure)
+
+    @torch.compiler.disable
+    def _forge_rule_step(self, closure):
+        """A step outside torch.compile with forge's rule on torch tensors: the math of the
+        compiled step, for storage formats torch's classes do not have."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._forge_traced_step()
+        return loss
 
     @torch.no_grad()
     def _forge_traced_step(self) -> None:
@@ -276,9 +399,15 @@ class ForgeOptimizer:
                 p = view.params[i]
                 state = self.state[p]
                 states = [state[key] for key in view.state_keys]
+                storage = {}
+                if self._forge_state_format(p) == "int8":
+                    states += [state[key + _SCALE_SUFFIX] for key in view.state_keys]
+                    storage["quantized_states"] = True
+                if view.rounding_seeds[i] is not None:
+                    storage["rounding_seed"] = view.rounding_seeds[i]
                 hyperparameters = self._forge_step_hyperparameters(view, i)
                 new = torch.ops.forge.optimizer_update(
-                    p, p.grad, states, state["step"], hyperparameters, rule_name, options
+                    p, p.grad, states, state["step"], hyperparameters, rule_name, options, **storage
                 )
                 p.copy_(new[0])
                 for old, value in zip(states, new[1:]):
@@ -327,6 +456,10 @@ class ForgeOptimizer:
             if not self._forge_state_from_construction and isinstance(step, Tensor) and float(step) == 0.0:
                 continue  # created up front, never stepped: torch would have no entry
             entry = {key: value for key, value in entry.items() if key not in self._forge_hidden_state_keys}
+            for key in self._forge_rule.state_keys:
+                scales = entry.pop(key + _SCALE_SUFFIX, None)
+                if scales is not None:  # 8-bit: torch's key, dequantized
+                    entry[key] = self._forge_dequantized(key, entry[key], scales)
             if not entry:
                 continue
             group = groups_by_index.get(index, {})
@@ -338,9 +471,25 @@ class ForgeOptimizer:
         sd["state"] = state
         return sd
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch.optim's load_state_dict; states then take this optimizer's storage format
+        from the saved values (torch casts them to the parameter's dtype first, which would
+        lose precision where the format is wider)."""
+        super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            entry = state_dict["state"].get(saved_id, {})
+            for key in self._forge_rule.state_keys:
+                value = entry.get(key)
+                if isinstance(value, Tensor) and key in self.state[p] and self._forge_state_format(p) != p.dtype:
+                    self._forge_store_state(p, key, value.to(p.device))
 
-def attach(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Turn a torch.optim optimizer into its forge counterpart in place, keeping its state.
+
+def attach(optimizer: torch.optim.Optimizer, *, state_dtype=None, stochastic_rounding=None,
+           rounding_seed=None) -> torch.optim.Optimizer:  # fmt: skip
+    """Turn a torch.optim optimizer into its forge counterpart in place, keeping its state
+    (converted to ``state_dtype``; the storage options are the forge optimizers').
 
     Example::
 
@@ -351,6 +500,7 @@ def attach(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     if isinstance(optimizer, ForgeOptimizer):
         return optimizer
     cls = forge_class_for(type(optimizer))
+    ForgeOptimizer._forge_set_storage(optimizer, state_dtype, stochastic_rounding, rounding_seed)
     optimizer.__class__ = cls
     optimizer._patch_step_function()
     optimizer._forge_setup()

@@ -25,7 +25,8 @@ class Lion(ForgeOptimizer, torch.optim.Optimizer):
     _forge_rule_name = "lion"
 
     def __init__(self, params, lr: float | Tensor = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0, *, maximize: bool = False, differentiable: bool = False):  # fmt: skip
+                 weight_decay: float = 0.0, *, maximize: bool = False, differentiable: bool = False,
+                 **storage):  # fmt: skip
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         if not 0.0 <= lr:
@@ -37,7 +38,7 @@ class Lion(ForgeOptimizer, torch.optim.Optimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize,
                         differentiable=differentiable)  # fmt: skip
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, **storage)
 
     def _forge_options(self, group):
         return (group["maximize"], nonzero(group["weight_decay"]))
@@ -47,9 +48,4 @@ class Lion(ForgeOptimizer, torch.optim.Optimizer):
         return (group["lr"], beta1, beta2, group["weight_decay"])
 
     def _forge_eager_step(self, closure):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._forge_traced_step()
-        return loss
+        return self._forge_rule_step(closure)  # torch has no Lion: forge's rule, with torch ops

@@ -79,6 +79,17 @@ class _Candidate:
     grad_min: float | None
     grad_max: float | None
     """Bounds of a clamp of the gradient before the update (clip_grad_value_), or None."""
+    quantized_states: bool
+    rounding_seed: int | None
+    """The update's storage arguments (8-bit states, stochastic rounding), passed on."""
+
+
+def _storage_arguments(update: Node) -> tuple[bool, int | None]:
+    """``(quantized_states, rounding_seed)`` of a ``forge.optimizer_update`` node."""
+    extra = list(update.args[7:]) + [None] * 2
+    quantized = update.kwargs.get("quantized_states", extra[0] if extra[0] is not None else False)
+    seed = update.kwargs.get("rounding_seed", extra[1])
+    return bool(quantized), seed
 
 
 def fuse_linear_updates(graph: fx.Graph, name_of: Callable[[Node], str], fuse: bool = True) -> list[explain.Decision]:
@@ -127,7 +138,8 @@ def fuse_linear_updates(graph: fx.Graph, name_of: Callable[[Node], str], fuse: b
 
 
 def _match(update: Node) -> _Candidate:
-    param, grad, states, step, hyperparameters, rule, options = update.args
+    param, grad, states, step, hyperparameters, rule, options = update.args[:7]
+    quantized_states, rounding_seed = _storage_arguments(update)
     if not isinstance(param, Node) or param.op != "placeholder":
         raise Rejection(explain.NOT_AN_INPUT, "the parameter is not an input of the compiled graph")
     weight = param.meta["val"]
@@ -138,14 +150,15 @@ def _match(update: Node) -> _Candidate:
     for state in states:
         if not isinstance(state, Node) or state.op != "placeholder":
             raise Rejection(explain.NOT_AN_INPUT, "an optimizer state is created inside the graph, not passed in")
-        if state.meta["val"].dtype not in _FUSABLE_DTYPES:
+        if state.meta["val"].dtype not in _FUSABLE_DTYPES + ((torch.int8, torch.uint8) if quantized_states else ()):
             raise Rejection(explain.UNSUPPORTED_DTYPE, f"state dtype {state.meta['val'].dtype} is not fp32/bf16/fp16")
     copies = _copies_back(update, [param, *states])
     chain, matmul_operands, transposed, (grad_min, grad_max) = _trace_gradient(grad, tuple(weight.shape))
     _check_single_consumer(chain)
     left, right = matmul_operands
     return _Candidate(update, param, list(states), step, list(hyperparameters), rule, list(options),
-                      copies, chain, left, right, transposed, grad_min, grad_max)  # fmt: skip
+                      copies, chain, left, right, transposed, grad_min, grad_max, quantized_states,
+                      rounding_seed)  # fmt: skip
 
 
 def _copies_back(update: Node, targets: list[Node]) -> list[Node]:
@@ -425,10 +438,15 @@ def _rewrite(graph: fx.Graph, c: _Candidate) -> None:
     if anchor.op == "placeholder":
         anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
     args = (c.weight, c.left, c.right, c.states, c.step, c.hyperparameters, c.rule, c.options)
+    kwargs = {}
     if c.grad_min is not None or c.grad_max is not None:
-        args += (c.grad_min, c.grad_max)
+        kwargs.update(grad_min=c.grad_min, grad_max=c.grad_max)
+    if c.quantized_states:
+        kwargs["quantized_states"] = True
+    if c.rounding_seed is not None:
+        kwargs["rounding_seed"] = c.rounding_seed
     with graph.inserting_after(anchor):
-        fused = graph.call_function(_FUSED, args)
+        fused = graph.call_function(_FUSED, args, kwargs)
     fused.meta["val"] = None
     fused.meta["stack_trace"] = c.update.meta.get("stack_trace")
     for needed in [*operands, c.step, *c.hyperparameters]:
@@ -510,7 +528,8 @@ def decompose_update(graph: fx.Graph, update: Node) -> None:
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    param, grad, states, step, hyperparameters, rule_name, options = update.args
+    param, grad, states, step, hyperparameters, rule_name, options = update.args[:7]
+    quantized_states, rounding_seed = _storage_arguments(update)
     rule = rules.get(rule_name)
     flat = [param, grad, *states, step, *hyperparameters]
     n_states = len(states)
@@ -519,8 +538,9 @@ def decompose_update(graph: fx.Graph, update: Node) -> None:
         p, g = tensors[0], tensors[1]
         old_states = list(tensors[2 : 2 + n_states])
         new_p, new_states = ops.apply_rule(
-            rule, p, g, old_states, tensors[2 + n_states], list(tensors[3 + n_states :]), tuple(options)
-        )
+            rule, p, g, old_states, tensors[2 + n_states], list(tensors[3 + n_states :]), tuple(options),
+            quantized_states, rounding_seed,
+        )  # fmt: skip
         return [new_p.to(p.dtype)] + [n.to(s.dtype) for n, s in zip(new_states, old_states)]
 
     fake_args = [a.meta["val"] for a in flat]

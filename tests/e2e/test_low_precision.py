@@ -1,0 +1,307 @@
+"""Low-precision storage through the compiled forge step: stochastic rounding of bf16
+weights, bf16 and 8-bit states, and their checkpoints.
+
+Each test runs ``torch.compile(step, backend="forge")`` with the weight's update fused
+(checked through explain) on the CPU's fused op; tests/kernels/test_storage_kernel.py
+holds the Triton kernel to the same bits.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import forge_compile
+from forge_compile import ops
+
+BF16_ULP_BELOW_ONE = 2.0**-8  # bf16 spacing in [0.5, 1)
+
+
+def _linear_sum_step(layer, optimizer):
+    def step(x):
+        loss = layer(x).sum()  # dW = ones^T x: every element gets sum_t x[t, j]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return torch.compile(step, backend="forge")
+
+
+def _ones_layer(rows, cols, dtype=torch.bfloat16):
+    layer = nn.Linear(cols, rows, bias=False).to(dtype)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    return layer
+
+
+def _fused(report):
+    return [d for d in report.decisions if d.fused]
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.05])
+def test_stochastic_rounding_is_unbiased(fraction):
+    """One SGD step that moves every weight from 1.0 by ``fraction`` of a bf16 ULP.
+
+    Each element is stored as 1 - u (probability p = fraction) or 1.0, so the mean of n
+    independent roundings has standard deviation u * sqrt(p (1 - p) / n) around the fp32
+    value. Adding 16 random bits to the 16 bits bf16 drops rounds up with probability equal
+    to the dropped fraction exactly, so there is no further bias term: the bound is 5
+    standard deviations.
+    """
+    rows, cols, tokens = 256, 256, 4
+    layer = _ones_layer(rows, cols)
+    lr = fraction * BF16_ULP_BELOW_ONE / tokens
+    optimizer = forge_compile.optim.SGD(layer.parameters(), lr=lr)
+    step = _linear_sum_step(layer, optimizer)
+    x = torch.ones(tokens, cols, dtype=torch.bfloat16)
+    report = forge_compile.explain(step, x)
+    assert len(_fused(report)) == 1, report
+    exact = torch.tensor(1.0, dtype=torch.float32) - torch.tensor(lr * tokens, dtype=torch.float32)
+    w = layer.weight.detach().double()
+    assert set(w.unique().tolist()) <= {1.0, 1.0 - BF16_ULP_BELOW_ONE}
+    n = w.numel()
+    bound = 5 * BF16_ULP_BELOW_ONE * math.sqrt(fraction * (1 - fraction) / n)
+    assert abs(w.mean().item() - exact.item()) <= bound, (w.mean().item(), exact.item(), bound)
+
+
+def test_round_to_nearest_stalls_where_stochastic_rounding_accumulates():
+    """40 steps of 0.1 ULP each: round-to-nearest leaves every weight at 1.0; stochastic
+    rounding moves the mean by 4 ULP. Per element the rounded walk is a martingale whose
+    variance grows by at most u^2/4 a step, so the mean of n elements after k steps is
+    within 5 * u * sqrt(k / (4 n)) of the exact 1 - 4u."""
+    rows, cols, tokens, steps = 128, 128, 4, 40
+    x = torch.ones(tokens, cols, dtype=torch.bfloat16)
+    lr = 0.1 * BF16_ULP_BELOW_ONE / tokens
+    results = {}
+    for rounding in (False, True):
+        torch._dynamo.reset()
+        layer = _ones_layer(rows, cols)
+        optimizer = forge_compile.optim.SGD(layer.parameters(), lr=lr, stochastic_rounding=rounding)
+        step = _linear_sum_step(layer, optimizer)
+        assert len(_fused(forge_compile.explain(step, x))) == 1
+        for _ in range(steps - 1):
+            step(x)
+        results[rounding] = layer.weight.detach().double()
+    assert torch.equal(results[False], torch.ones_like(results[False]))
+    expected = 1.0 - steps * 0.1 * BF16_ULP_BELOW_ONE
+    bound = 5 * BF16_ULP_BELOW_ONE * math.sqrt(steps / (4 * results[True].numel()))
+    assert abs(results[True].mean().item() - expected) <= bound
+
+
+def test_stochastic_rounding_reproducible_for_a_seed_and_different_across_seeds():
+    x = torch.randn(6, 96, dtype=torch.bfloat16)
+    weights = []
+    for seed in (11, 11, 12):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        layer = nn.Linear(96, 80, bias=False).to(torch.bfloat16)
+        optimizer = forge_compile.optim.AdamW(layer.parameters(), lr=1e-4, rounding_seed=seed)
+        step = _linear_sum_step(layer, optimizer)
+        for _ in range(3):
+            step(x)
+        weights.append(layer.weight.detach().clone())
+    assert torch.equal(weights[0], weights[1])
+    assert not torch.equal(weights[0], weights[2])
+
+
+def test_stochastic_rounding_eager_step_matches_compiled():
+    """Outside torch.compile a bf16 parameter's step is forge's rule too, with the same bits.
+    Inputs in {-1, 0, 1} keep the gradient (small integers) exact in bf16, so the eager
+    bf16 backward and the fused fp32 one hand the rule the same values."""
+    x = torch.randint(-1, 2, (5, 64)).to(torch.bfloat16)
+    c = torch.randint(-1, 2, (5, 48)).float()
+    weights = []
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        layer = nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+        optimizer = forge_compile.optim.AdamW(layer.parameters(), lr=1e-3, rounding_seed=3)
+
+        def step(x):
+            (layer(x).float() * c).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        run = torch.compile(step, backend="forge") if compiled else step
+        for _ in range(4):
+            run(x)
+        weights.append(layer.weight.detach().clone())
+    assert torch.equal(weights[0], weights[1])
+
+
+def test_fp16_refuses_stochastic_rounding_with_a_clear_error():
+    layer = nn.Linear(8, 8).half()
+    with pytest.raises(ValueError, match="stochastic_rounding supports bf16"):
+        forge_compile.optim.AdamW(layer.parameters(), stochastic_rounding=True)
+    with pytest.raises(ValueError, match="state_dtype"):
+        forge_compile.optim.AdamW(layer.parameters(), state_dtype=torch.float16)
+
+
+# --- 8-bit states --------------------------------------------------------------------------
+
+
+def _signed_bound(x, absmax):
+    s = 127 * torch.sqrt(x.abs() / absmax)
+    return absmax * (s + 0.25) / 127**2
+
+
+def _root_bound(x, absmax):
+    """Bound on |sqrt(x) - sqrt(x')| for the non-negative code."""
+    s = 255 * (x / absmax) ** 0.25
+    return absmax.sqrt() * (s + 0.25) / 255**2
+
+
+def _block_absmax(x):
+    rows, cols = x.shape
+    padded = torch.nn.functional.pad(x.abs(), (0, -cols % 64))
+    return padded.reshape(rows, -1, 64).amax(dim=2).repeat_interleave(64, dim=1)[:, :cols]
+
+
+@pytest.mark.parametrize("cols", [64, 200])
+def test_int8_round_trip_within_the_stated_bound(cols):
+    # Heavy tails and many magnitudes per block, as Adam's moments have.
+    m = torch.randn(96, cols) * torch.exp(torch.randn(96, cols) * 2)
+    v = m * m * torch.rand(96, cols)
+    codes, scales = ops._quantize(m, torch.int8, signed=True)
+    back = ops._dequantize(codes, scales, signed=True)
+    assert codes.dtype == torch.int8 and scales.shape == (96, -(-cols // 64))
+    absmax = _block_absmax(m)
+    assert ((back - m).abs() <= _signed_bound(m, absmax) * (1 + 1e-5) + 1e-30).all()
+    codes, scales = ops._quantize(v, torch.uint8, signed=False)
+    back = ops._dequantize(codes, scales, signed=False)
+    assert (back >= 0).all()
+    assert ((back.sqrt() - v.sqrt()).abs() <= _root_bound(v, _block_absmax(v)) * (1 + 1e-5) + 1e-30).all()
+
+
+def _mlp(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 96)).to(dtype)
+
+
+def _mse_step(model, optimizer):
+    def step(x, y):
+        loss = (model(x).float() - y).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return torch.compile(step, backend="forge")
+
+
+def _state_bytes_per_parameter(optimizer, params):
+    state_bytes = sum(t.numel() * t.element_size() for p in params for k, t in optimizer.state[p].items()
+                      if isinstance(t, torch.Tensor) and t.dim() > 0)  # fmt: skip
+    return state_bytes / sum(p.numel() for p in params)
+
+
+@pytest.mark.parametrize(
+    "state_dtype, expected",
+    [(None, 8.0), (torch.float32, 8.0), (torch.bfloat16, 4.0), ("int8", 2 + 2 * 4 / 64)],
+)
+def test_state_bytes_per_parameter_measured(state_dtype, expected):
+    """AdamW's two moments per element: 8 bytes in fp32, 4 in bf16, 2 codes plus two fp32
+    scales per 64 elements in 8 bits (weights; the 1-D biases stay fp32 under int8)."""
+    model = _mlp()
+    optimizer = forge_compile.optim.AdamW(model.parameters(), lr=1e-3, state_dtype=state_dtype)
+    step = _mse_step(model, optimizer)
+    report = forge_compile.explain(step, torch.randn(8, 64), torch.randn(8, 96))
+    assert len(_fused(report)) == 2, report
+    weights = [model[0].weight, model[2].weight]
+    assert _state_bytes_per_parameter(optimizer, weights) == pytest.approx(expected)
+    biases = [model[0].bias, model[2].bias]
+    bias_dtype = torch.float32 if state_dtype in (None, "int8") else state_dtype
+    assert all(optimizer.state[b]["exp_avg"].dtype == bias_dtype for b in biases)
+
+
+def test_int8_step_matches_the_quantized_algorithm_in_float64():
+    """One compiled AdamW step from 8-bit states: forge's new moments against float64
+    AdamW run from the same dequantized states, within the rounding of the new codes
+    plus fp32 arithmetic."""
+    model = _mlp()
+    x, y = torch.randn(8, 64), torch.randn(8, 96)
+    warm = forge_compile.optim.AdamW(model.parameters(), lr=1e-3)
+    warm_step = _mse_step(model, warm)
+    for _ in range(3):
+        warm_step(x, y)
+    torch._dynamo.reset()
+    optimizer = forge_compile.optim.AdamW(model.parameters(), lr=1e-3, state_dtype="int8")
+    optimizer.load_state_dict(warm.state_dict())
+    weight = model[0].weight
+    reference = torch.nn.Linear(64, 128).double()
+    reference.load_state_dict({k: v.double() for k, v in model[0].state_dict().items()})
+    reference_rest = _reference_rest(model)
+    ref_opt = torch.optim.AdamW(list(reference.parameters()), lr=1e-3)
+    # Dequantized: what the 8-bit step starts from. A copy: state_dict() shares the live
+    # step tensors, as torch's does.
+    start = copy.deepcopy(optimizer.state_dict())
+    ref_opt.load_state_dict({"state": {0: {k: v.double() if k != "step" else v for k, v in start["state"][0].items()},
+                                       1: {k: v.double() if k != "step" else v for k, v in start["state"][1].items()}},
+                             "param_groups": [dict(start["param_groups"][0], params=[0, 1])]})  # fmt: skip
+    step = _mse_step(model, optimizer)
+    report = forge_compile.explain(step, x, y)
+    assert len(_fused(report)) == 2, report
+    loss = (reference_rest(torch.nn.functional.gelu(reference(x.double()))) - y.double()).pow(2).mean()
+    loss.backward()
+    ref_opt.step()
+    after = optimizer.state_dict()["state"][0]
+    expected_m, expected_v = ref_opt.state[reference.weight]["exp_avg"], ref_opt.state[reference.weight]["exp_avg_sq"]
+    assert optimizer.state[weight]["exp_avg"].dtype == torch.int8
+    assert optimizer.state[weight]["exp_avg_sq"].dtype == torch.uint8
+    m_bound = _signed_bound(expected_m, _block_absmax(expected_m)) * 1.01 + 1e-7 * _block_absmax(expected_m)
+    assert ((after["exp_avg"].double() - expected_m).abs() <= m_bound).all()
+    v_bound = _root_bound(expected_v, _block_absmax(expected_v)) * 1.01 + 1e-6 * _block_absmax(expected_v).sqrt()
+    assert ((after["exp_avg_sq"].double().sqrt() - expected_v.sqrt()).abs() <= v_bound).all()
+    # The weight moves with the new moments before they are requantized: fp32 rounding only.
+    torch.testing.assert_close(weight.detach().double(), reference.weight.detach(), atol=1e-6, rtol=0)
+
+
+def _reference_rest(model):
+    rest = torch.nn.Linear(128, 96).double()
+    rest.load_state_dict({k: v.double() for k, v in model[2].state_dict().items()})
+    rest.requires_grad_(False)
+    return rest
+
+
+def test_int8_checkpoints_load_into_torch_and_back():
+    model = _mlp()
+    optimizer = forge_compile.optim.AdamW(model.parameters(), lr=1e-3, state_dtype="int8")
+    step = _mse_step(model, optimizer)
+    x, y = torch.randn(8, 64), torch.randn(8, 96)
+    for _ in range(3):
+        step(x, y)
+    sd = optimizer.state_dict()
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert sd["state"][0]["exp_avg"].dtype == torch.float32
+    plain = torch.optim.AdamW(_mlp().parameters(), lr=1e-3)
+    plain.load_state_dict(sd)
+    again = forge_compile.optim.AdamW(_mlp().parameters(), lr=1e-3, state_dtype="int8")
+    again.load_state_dict(plain.state_dict())
+    weight = next(iter(again.param_groups[0]["params"]))
+    original = optimizer.state[model[0].weight]
+    assert torch.equal(again.state[weight]["exp_avg"], original["exp_avg"])
+    assert torch.equal(again.state[weight]["exp_avg_sq"], original["exp_avg_sq"])
+    assert torch.equal(again.state[weight]["exp_avg_absmax"], original["exp_avg_absmax"])
+
+
+def test_bf16_model_trains_without_an_fp32_copy():
+    """bf16 weights and states, stochastic rounding on by default: no fp32 tensor the size
+    of a parameter anywhere in the optimizer, and the loss goes down like fp32 training's."""
+    losses = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch._dynamo.reset()
+        model = _mlp(dtype)
+        optimizer = forge_compile.optim.AdamW(model.parameters(), lr=3e-3)
+        step = _mse_step(model, optimizer)
+        torch.manual_seed(1)
+        x = torch.randn(32, 64, dtype=dtype)
+        y = torch.randn(32, 96)
+        losses[dtype] = [step(x, y).item() for _ in range(30)]
+        if dtype == torch.bfloat16:
+            for p in model.parameters():
+                assert all(t.dtype == torch.bfloat16 for k, t in optimizer.state[p].items() if k != "step")
+    assert losses[torch.bfloat16][-1] < 0.5 * losses[torch.bfloat16][0]
+    assert abs(losses[torch.bfloat16][-1] - losses[torch.float32][-1]) < 0.05 * losses[torch.float32][0]
