@@ -113,8 +113,68 @@ def mixed_models_section() -> list[str]:
     return lines
 
 
+def convergence_section() -> list[str]:
+    path = RESULTS / "convergence.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    settings, summary, runs = data["settings"], data["summary"], data["runs"]
+    env = next(iter(data["environments"].values()))
+    reference = runs.get("fp32")
+    params = next(iter(runs.values()))["parameters"]
+    lines = [
+        f"**Convergence in bf16** ({params / 1e6:.0f}M-parameter byte-level Llama, continued pretraining on the "
+        f"Python standard library's sources for {settings['steps']} steps of {settings['batch']}x{settings['seq']} "
+        f"bytes after {settings['warm_steps']} shared fp32 steps; {env['gpu']}, torch {env['torch']}, "
+        f"triton {env['triton']}, {env['date'][:10]}; `{env['command']}`; raw data and per-run environments: "
+        "`benchmarks/results/convergence.json`, curves: `benchmarks/results/convergence.png`). Every run sees the "
+        "same batches; gaps are to the fp32 AdamW run.",
+        "",
+        "| run | optimizer state bytes / parameter | mean gap | mean abs gap (50-step mean) | max abs gap (50-step mean) "
+        "| final held-out loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    if reference is not None:
+        lines.append(f"| fp32 (reference) | {reference['optimizer_state_bytes_per_parameter']:.2f} | - | - | - | "
+                     f"{reference['final_held_out_loss']:.4f} |")  # fmt: skip
+    for name in runs:
+        r = summary.get(name)
+        if r is None:
+            continue
+        lines.append(f"| {name} | {r['optimizer_state_bytes_per_parameter']:.2f} | {r['mean_gap']:+.4f} | "
+                     f"{r['mean_abs_gap_smoothed']:.4f} | {r['max_abs_gap_smoothed']:.4f} | "
+                     f"{r['final_held_out_loss']:.4f} ({r['final_held_out_gap']:+.4f}) |")  # fmt: skip
+    if "checks" in summary:
+        lines += ["", "Checks: " + ", ".join(f"{k.replace('_', ' ')} {'passed' if v else 'FAILED'}"
+                                             for k, v in summary["checks"].items()) + "."]  # fmt: skip
+    lines += ["", "![convergence](benchmarks/results/convergence.png)"]
+    return lines
+
+
+def quantization_section() -> list[str]:
+    path = RESULTS / "quantization_schemes.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    env = data["environment"]
+    lines = [
+        f"**8-bit codes on real Adam moments** ({data['weights']} weight matrices, {data['elements'] / 1e6:.1f}M "
+        f"elements, after {data['settings']['steps']} fp32 AdamW steps of a small byte-level Llama; "
+        f"{env['gpu'] or 'CPU'}, torch {env['torch']}, {env['date'][:10]}; `{env['command']}`; raw data: "
+        "`benchmarks/results/quantization_schemes.json`). Blocks of 64 along the rows, one absmax scale each.",
+        "",
+        "| code | rel. L2 error of m | of sqrt(v) | of m / (sqrt(v) + eps) | elements updated by m / eps |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in data["schemes"].items():
+        lines.append(f"| {name} | {r['relative_l2_m']:.2e} | {r['relative_l2_root']:.2e} | "
+                     f"{r['relative_l2_direction']:.2e} | {r['share_of_m_over_eps_updates']:.1e} |")  # fmt: skip
+    return lines
+
+
 def render() -> str:
-    sections = [hf_llama_section(), every_rule_section(), mixed_models_section()]
+    sections = [hf_llama_section(), every_rule_section(), mixed_models_section(), convergence_section(),
+                quantization_section()]  # fmt: skip
     body = [line for section in sections for line in section + [""]]
     return "\n".join([BEGIN, "", *body, END])
 
