@@ -305,3 +305,31 @@ def test_bf16_model_trains_without_an_fp32_copy():
                 assert all(t.dtype == torch.bfloat16 for k, t in optimizer.state[p].items() if k != "step")
     assert losses[torch.bfloat16][-1] < 0.5 * losses[torch.bfloat16][0]
     assert abs(losses[torch.bfloat16][-1] - losses[torch.float32][-1]) < 0.05 * losses[torch.float32][0]
+
+
+def test_int8_states_of_an_unfused_embedding_compile_to_the_same_step():
+    """An embedding's update is not fused: Inductor compiles the rule with the 8-bit codes.
+    Its result equals forge's eager rule step up to fp32 reassociation (a code at most 1 off)."""
+    results = []
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(300, 64), nn.Linear(64, 64))
+        optimizer = forge_compile.optim.AdamW(model.parameters(), lr=1e-2, state_dtype="int8")
+
+        def step(tokens):
+            model(tokens).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        run = torch.compile(step, backend="forge") if compiled else step
+        torch.manual_seed(1)
+        for _ in range(3):
+            run(torch.randint(0, 300, (4, 7)))
+        results.append((model[0].weight.detach().clone(), dict(optimizer.state[model[0].weight])))
+    (w_compiled, s_compiled), (w_eager, s_eager) = results
+    assert s_compiled["exp_avg"].dtype == torch.int8 and s_compiled["exp_avg_sq"].dtype == torch.uint8
+    torch.testing.assert_close(w_compiled, w_eager, atol=1e-6, rtol=0)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert (s_compiled[key].int() - s_eager[key].int()).abs().max() <= 1
+        torch.testing.assert_close(s_compiled[key + "_absmax"], s_eager[key + "_absmax"], rtol=1e-5, atol=0)

@@ -1,0 +1,207 @@
+"""One linear layer's weight gradient plus its AdamW update: forge's fused kernel against
+cuBLAS + torch's fused AdamW, and against the floor, side by side in one run.
+
+For weight shapes of Llama-3.1-8B (4096x4096, 1024x4096, 14336x4096, 4096x14336) and a
+small model (1024x1024), T tokens, bf16 dY, X and W, with bf16 and with fp32 states:
+
+* baseline: ``g = dY.t() @ X`` (cuBLAS, bf16 gradient) then ``torch._fused_adamw_``;
+* forge: ``forge::fused_linear_update_`` (the gradient never exists);
+* floor: max(2 M N T / measured bf16 matmul rate, minimum bytes / measured copy bandwidth),
+  the minimum bytes reading dY, X, W and the states once and writing W and the states once.
+
+Times are medians of CUDA-event timings (triton.testing.do_bench), rotating among input
+sets larger than the L2 so that no run reads another's cached operands; each kernel's
+first call (autotuning) is outside the timing.
+
+    PYTHONPATH=. python benchmarks/kernel.py            # writes results/kernel.{json,csv,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.utils import RESULTS, environment, write_result  # noqa: E402
+
+SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (1024, 1024)]
+TOKENS = [512, 1024, 2048, 4096, 8192, 16384]
+STATE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-4, 0.9, 0.95, 1e-8, 0.1
+L2_BYTES = 60 * 2**20  # the H200's L2 is 50 MiB: rotate through more than that
+
+
+def _median_ms(fn, sets: int) -> float:
+    import triton.testing
+
+    counter = iter(range(10**9))
+    return triton.testing.do_bench(lambda: fn(next(counter) % sets), warmup=50, rep=300, return_mode="median")
+
+
+def measure_ceilings(device) -> dict:
+    """The bf16 matmul rate (8192^3) and the copy bandwidth (read + write of 2 GiB), measured here."""
+    import triton.testing
+
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    matmul_ms = triton.testing.do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    src = torch.randn(2**29, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=100, rep=500, return_mode="median")
+    return {"bf16_matmul_tflops": 2 * 8192**3 / matmul_ms / 1e9, "copy_gb_per_s": 2 * src.nbytes / copy_ms / 1e6}
+
+
+def minimum_bytes(M: int, N: int, T: int, state_bytes: int) -> int:
+    return 2 * (M * T + T * N) + 2 * (2 * M * N) + 2 * (2 * M * N * state_bytes)
+
+
+def _inputs(M, N, T, state_dtype, device, sets):
+    generator = torch.Generator(device=device).manual_seed(M * 7 + N * 3 + T)
+    out = []
+    for _ in range(sets):
+        w = torch.randn(M, N, device=device, generator=generator).to(torch.bfloat16)
+        dy = (torch.randn(T, M, device=device, generator=generator) * 0.05).to(torch.bfloat16)
+        x = torch.randn(T, N, device=device, generator=generator).to(torch.bfloat16)
+        m = (torch.randn(M, N, device=device, generator=generator) * 1e-3).to(state_dtype)
+        v = (torch.rand(M, N, device=device, generator=generator) * 1e-6).to(state_dtype)
+        out.append((w, dy, x, m, v))
+    return out
+
+
+def case(M: int, N: int, T: int, state_name: str, ceilings: dict, device) -> dict:
+    from forge_compile.kernels.linear_update import fused_linear_update
+    from forge_compile import rules
+
+    state_dtype = STATE_DTYPES[state_name]
+    state_bytes = torch.finfo(state_dtype).bits // 8
+    per_set = minimum_bytes(M, N, T, state_bytes)
+    sets = max(2, -(-L2_BYTES // per_set))
+    inputs = _inputs(M, N, T, state_dtype, device, sets)
+    step = torch.tensor(10.0, device=device)
+    hyper = [torch.tensor(h, dtype=torch.float64, device=device) for h in (LR, BETA1, BETA2, EPS, WEIGHT_DECAY)]
+    rule = rules.get("adam")
+    steps = [torch.tensor(10.0, device=device) for _ in range(sets)]
+
+    def baseline(i):
+        w, dy, x, m, v = inputs[i]
+        grad = dy.t() @ x
+        torch._fused_adamw_([w], [grad], [m], [v], [], [steps[i]], lr=LR, beta1=BETA1, beta2=BETA2,
+                            weight_decay=WEIGHT_DECAY, eps=EPS, amsgrad=False, maximize=False)  # fmt: skip
+
+    def forge(i):
+        w, dy, x, m, v = inputs[i]
+        fused_linear_update(rule, w, dy.t(), x, [m, v], step, hyper, (1, 0, 0, 1))
+
+    forge(0)  # autotunes this shape (restore_value keeps the inputs)
+    baseline(0)
+    torch.cuda.synchronize()
+    baseline_ms = _median_ms(baseline, sets)
+    forge_ms = _median_ms(forge, sets)
+    compute_ms = 2 * M * N * T / (ceilings["bf16_matmul_tflops"] * 1e9)
+    memory_ms = per_set / (ceilings["copy_gb_per_s"] * 1e6)
+    floor_ms = max(compute_ms, memory_ms)
+    return {
+        "M": M, "N": N, "T": T, "states": state_name,
+        "baseline_ms": baseline_ms, "forge_ms": forge_ms, "floor_ms": floor_ms,
+        "floor_bound": "compute" if compute_ms >= memory_ms else "memory",
+        "speedup": baseline_ms / forge_ms, "forge_over_floor": forge_ms / floor_ms,
+        "baseline_over_floor": baseline_ms / floor_ms,
+    }  # fmt: skip
+
+
+def check(device) -> float:
+    """The fused kernel against float64 on one shape before timing anything: relative L2 of W."""
+    from forge_compile.kernels.linear_update import fused_linear_update
+    from forge_compile import rules
+
+    w, dy, x, m, v = _inputs(1024, 4096, 1024, torch.float32, device, 1)[0]
+    ref = w.double()
+    grad = dy.t().double() @ x.double()
+    m64, v64 = m.double() * BETA1 + (1 - BETA1) * grad, v.double() * BETA2 + (1 - BETA2) * grad * grad
+    step = 10.0
+    ref = ref * (1 - LR * WEIGHT_DECAY) - LR / (1 - BETA1**step) * m64 / ((v64 / (1 - BETA2**step)).sqrt() + EPS)
+    hyper = [torch.tensor(h, dtype=torch.float64, device=device) for h in (LR, BETA1, BETA2, EPS, WEIGHT_DECAY)]
+    fused_linear_update(rules.get("adam"), w, dy.t(), x, [m, v], torch.tensor(step, device=device), hyper, (1, 0, 0, 1))
+    return float((w.double() - ref).norm() / ref.norm())
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(STATE_DTYPES), figsize=(12, 4.5), sharey=True)
+    for ax, state_name in zip(axes, STATE_DTYPES):
+        for M, N in SHAPES:
+            points = [(r["T"], r["speedup"]) for r in rows if (r["M"], r["N"], r["states"]) == (M, N, state_name)]
+            if points:
+                ax.plot(*zip(*points), "o-", label=f"{M}x{N}", markersize=3)
+        ax.axhline(1.0, color="black", linewidth=0.5)
+        ax.axhline(1.5, color="gray", linewidth=0.5, linestyle="--")
+        ax.set(xscale="log", xlabel="tokens T", title=f"{state_name} states", ylabel="baseline / forge")
+        ax.legend()
+    fig.suptitle("fused dW + AdamW: speedup over cuBLAS + torch._fused_adamw_")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--states", default=",".join(STATE_DTYPES))
+    parser.add_argument("--output", default=None, help="also write the results here (default $OUT)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("kernel.py times CUDA kernels: no CUDA device here", file=sys.stderr)
+        return 1
+    device = torch.device("cuda")
+    error = check(device)
+    ceilings = measure_ceilings(device)
+    rows = []
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the progress bar is optional
+        tqdm = lambda x, **_: x  # noqa: E731
+    cases = [(M, N, T, s) for s in args.states.split(",") for M, N in SHAPES for T in map(int, args.tokens.split(","))]
+    for M, N, T, s in tqdm(cases, desc="kernel", mininterval=10, file=sys.stdout):
+        rows.append(case(M, N, T, s, ceilings, device))
+    largest = max(SHAPES, key=lambda s: s[0] * s[1])
+    summary = {
+        "fp32_check_relative_l2_vs_float64": error,
+        "ceilings": ceilings,
+        "largest_shape": list(largest),
+    }
+    for T in (512, 1024):
+        hits = [r for r in rows if (r["M"], r["N"], r["T"], r["states"]) == (*largest, T, "bf16")]
+        if hits:
+            summary[f"kernel_speedup_T{T}"] = hits[0]["speedup"]
+    summary["kernel_min_speedup_all_T"] = min(r["speedup"] for r in rows)
+    summary["kernel_worst_over_floor"] = max(r["forge_over_floor"] for r in rows)
+    write_result("kernel", {"summary": summary, "rows": rows}, args.output)
+    with open(RESULTS / "kernel.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, RESULTS / "kernel.png")
+    out = args.output or os.environ.get("OUT")
+    if out:
+        import shutil
+
+        for name in ("kernel.csv", "kernel.png"):
+            shutil.copy(RESULTS / name, Path(out) / name)
+    print(f"{'M':>6} {'N':>6} {'T':>6} {'states':>6} {'baseline':>9} {'forge':>8} {'floor':>8} {'speedup':>8} {'/floor':>7}")
+    for r in rows:
+        print(f"{r['M']:>6} {r['N']:>6} {r['T']:>6} {r['states']:>6} {r['baseline_ms']:>9.3f} {r['forge_ms']:>8.3f} "
+              f"{r['floor_ms']:>8.3f} {r['speedup']:>8.2f} {r['forge_over_floor']:>7.2f}")
+    print({k: v for k, v in summary.items() if k != "ceilings"}, environment()["gpu"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
