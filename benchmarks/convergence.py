@@ -129,10 +129,11 @@ def run(name: str, args, weights: dict, train_batches, eval_batches, device) -> 
     for index, batch in enumerate(continued):
         start = time.perf_counter()
         if index == 0 and name.startswith("forge"):
+            with torch.no_grad():  # explain returns no loss: the same forward, before the step
+                losses.append(model(input_ids=batch, labels=batch).loss.detach())
             report = forge_compile.explain(step, batch)
             fused = {"fused": sum(d.fused for d in report.decisions), "candidates": len(report.decisions),
                      "graphs": len(report.graphs)}  # fmt: skip
-            losses.append(torch.tensor(float("nan"), device=device))  # explain returns no loss: left out of the gaps
         else:
             losses.append(step(batch))
         scheduler.step()
@@ -234,21 +235,20 @@ def plot(runs: dict, path: Path) -> None:
     fig, (curves, gaps) = plt.subplots(1, 2, figsize=(13, 4.5))
     reference = runs.get("fp32")
     for name, r in runs.items():
-        losses = [x for x in r["train_loss"]]
-        curves.plot(moving_average([x if not math.isnan(x) else losses[1] for x in losses], SMOOTHING), label=name,
-                    linewidth=1)  # fmt: skip
+        losses = r["train_loss"]
+        curves.plot(moving_average(losses, SMOOTHING), label=name, linewidth=1)
         steps, held = zip(*r["held_out"])
         curves.plot(steps, held, "o", markersize=3, color=curves.lines[-1].get_color())
         if reference is not None and name != "fp32":
             gap = [a - b for a, b in zip(r["train_loss"], reference["train_loss"])]
-            gap = [g if not math.isnan(g) else 0.0 for g in gap]
             gaps.plot(moving_average(gap, SMOOTHING), label=name, linewidth=1)
     curves.set(xlabel="step (continued pretraining)", ylabel="loss (nats/byte)",
                title=f"training loss ({SMOOTHING}-step mean) and held-out loss (dots)")  # fmt: skip
     curves.legend()
     gaps.axhline(0, color="black", linewidth=0.5)
     gaps.set(xlabel="step", ylabel="loss - fp32 loss (nats)", title=f"gap to fp32 AdamW ({SMOOTHING}-step mean)")
-    gaps.legend()
+    if gaps.lines[1:]:
+        gaps.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
