@@ -1,0 +1,170 @@
+"""Whole training steps on the GPU: forge against the standard paths, each case in its own process.
+
+Models with random weights from transformers configs (the shapes of Qwen3-0.6B,
+Qwen3-1.7B, Llama-3.1-8B with untied embeddings, Qwen3-14B), bf16 weights and states,
+micro-batch x sequence as given. Modes:
+
+* ``eager_fused``: eager model, ``torch.optim.AdamW(fused=True)``;
+* ``hooks``: eager model, one fused AdamW per parameter stepped in its
+  post-accumulate-grad hook (the optimizer-in-backward recipe);
+* ``inductor``: ``torch.compile(train_step, backend="inductor")``, torch's AdamW compiled
+  with it (foreach, capturable);
+* ``forge``: forge's AdamW, ``torch.compile(train_step, backend="forge")``;
+* ``forge_int8``: the same with ``state_dtype="int8"``.
+
+Step time is the median of CUDA-event timings of the steps after warm-up; peak memory is
+``max_memory_allocated`` over those steps (after a reset), and also over the whole run
+including compilation. A case that runs out of memory is recorded as such.
+
+    PYTHONPATH=. python benchmarks/step.py --models llama-8b --batches 1 --modes eager_fused,forge
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.utils import RESULTS, causal_lm_train_step, environment, run_in_subprocess  # noqa: E402
+
+MODELS = {
+    # name: (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
+    "qwen3-0.6b": (1024, 3072, 28, 16, 8, 151936, True),
+    "qwen3-1.7b": (2048, 6144, 28, 16, 8, 151936, True),
+    "llama-8b": (4096, 14336, 32, 32, 8, 128256, False),
+    "qwen3-14b": (5120, 17408, 40, 40, 8, 151936, False),
+}
+MODES = ("eager_fused", "hooks", "inductor", "forge", "forge_int8")
+WARMUP, TIMED = 3, 10
+
+
+def build(name: str, device):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    hidden, intermediate, layers, heads, kv_heads, vocab, tied = MODELS[name]
+    common = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                  tie_word_embeddings=tied, max_position_embeddings=4096, attn_implementation="sdpa")  # fmt: skip
+    config, cls = ((Qwen3Config(head_dim=128, **common), Qwen3ForCausalLM) if name.startswith("qwen")
+                   else (LlamaConfig(**common), LlamaForCausalLM))  # fmt: skip
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model, config
+
+
+def _optimizer_step(model, mode: str):
+    import forge_compile
+
+    hyper = dict(lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1)
+    if mode == "eager_fused":
+        return causal_lm_train_step(model, torch.optim.AdamW(model.parameters(), **hyper, fused=True))
+    if mode == "hooks":
+        optimizers = {}
+        for p in model.parameters():
+            optimizers[p] = torch.optim.AdamW([p], **hyper, fused=True)
+
+            def hook(param):
+                optimizers[param].step()
+                optimizers[param].zero_grad()
+
+            p.register_post_accumulate_grad_hook(hook)
+
+        def train_step(input_ids):
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss.backward()
+            return loss.detach()
+
+        return train_step
+    if mode == "inductor":
+        optimizer = torch.optim.AdamW(model.parameters(), **hyper, foreach=True, capturable=True)
+        return torch.compile(causal_lm_train_step(model, optimizer), backend="inductor")
+    state_dtype = "int8" if mode == "forge_int8" else None
+    optimizer = forge_compile.optim.AdamW(model.parameters(), **hyper, state_dtype=state_dtype)
+    return torch.compile(causal_lm_train_step(model, optimizer), backend="forge")
+
+
+def worker(model_name: str, mode: str, batch: int, seq: int) -> dict:
+    device = torch.device("cuda")
+    result = {"model": model_name, "mode": mode, "batch": batch, "seq": seq}
+    try:
+        model, config = build(model_name, device)
+        result["parameters"] = sum(p.numel() for p in model.parameters())
+        step = _optimizer_step(model, mode)
+        generator = torch.Generator(device=device).manual_seed(0)
+        batches = [torch.randint(0, config.vocab_size, (batch, seq), device=device, generator=generator)
+                   for _ in range(4)]  # fmt: skip
+        start = time.perf_counter()
+        step(batches[0])
+        torch.cuda.synchronize()
+        result["first_step_s"] = time.perf_counter() - start
+        for i in range(1, WARMUP):
+            step(batches[i % 4])
+        torch.cuda.synchronize()
+        result["peak_with_compile_bytes"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for i in range(TIMED):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            loss = step(batches[i % 4])
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        result.update(step_ms_median=statistics.median(times), step_ms_all=times,
+                      peak_bytes=torch.cuda.max_memory_allocated(), loss=float(loss), status="ok")  # fmt: skip
+    except torch.OutOfMemoryError as error:
+        result.update(status="out_of_memory", error=str(error).splitlines()[0])
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b,llama-8b")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--batches", default="1,2,4,8")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--worker", nargs=4, metavar=("MODEL", "MODE", "BATCH", "SEQ"), help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=560, help="seconds per case")
+    args = parser.parse_args()
+    if args.worker:
+        name, mode, batch, seq = args.worker
+        print(json.dumps(worker(name, mode, int(batch), int(seq))))
+        return 0
+    path = RESULTS / "step.json"
+    previous = json.loads(path.read_text()) if path.exists() else {"cases": []}
+    done = {(c["model"], c["mode"], c["batch"], c["seq"]) for c in previous["cases"]}
+    cases = [(m, mode, int(b), args.seq) for m in args.models.split(",") for b in args.batches.split(",")
+             for mode in args.modes.split(",")]  # fmt: skip
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the progress bar is optional
+        tqdm = lambda x, **_: x  # noqa: E731
+    for case in tqdm([c for c in cases if c not in done], desc="step", file=sys.stdout):
+        try:
+            result = run_in_subprocess("benchmarks.step", ["--worker", *map(str, case)], timeout=args.timeout)
+        except Exception as error:  # a crash or a timeout: recorded, the other cases go on
+            result = dict(zip(("model", "mode", "batch", "seq"), case), status="failed", error=str(error)[-2000:])
+        result["environment"] = environment()
+        previous["cases"].append(result)
+        for folder in [path.parent] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
+            (folder / "step.json").write_text(json.dumps(previous, indent=1))
+        print(json.dumps({k: result.get(k) for k in ("model", "mode", "batch", "status", "step_ms_median",
+                                                      "peak_bytes", "first_step_s")}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
