@@ -201,6 +201,15 @@ def summarize(runs: dict) -> dict:
         return {}
     reference = runs["fp32"]["train_loss"]
     summary = {"reference_final_held_out_loss": runs["fp32"]["final_held_out_loss"]}
+    # Runs made in different processes repeat the shared fp32 phase; its kernels are not
+    # all deterministic, so their starting weights can differ. How much (relative, of the
+    # sum of |w|), so that a reader can weigh the gaps:
+    reference_checksum = runs["fp32"].get("warm_checksum")
+    if reference_checksum:
+        summary["start_difference_to_reference"] = max(
+            abs(r.get("warm_checksum", reference_checksum) - reference_checksum) / reference_checksum
+            for r in runs.values()
+        )
     for name, r in runs.items():
         if name == "fp32":
             continue

@@ -120,33 +120,40 @@ def convergence_section() -> list[str]:
     data = json.loads(path.read_text())
     settings, summary, runs = data["settings"], data["summary"], data["runs"]
     env = next(iter(data["environments"].values()))
+    commands = "; ".join(dict.fromkeys(f"`{e['command']}`" for e in data["environments"].values()))
     reference = runs.get("fp32")
     params = next(iter(runs.values()))["parameters"]
     lines = [
         f"**Convergence in bf16** ({params / 1e6:.0f}M-parameter byte-level Llama, continued pretraining on the "
         f"Python standard library's sources for {settings['steps']} steps of {settings['batch']}x{settings['seq']} "
         f"bytes after {settings['warm_steps']} shared fp32 steps; {env['gpu']}, torch {env['torch']}, "
-        f"triton {env['triton']}, {env['date'][:10]}; `{env['command']}`; raw data and per-run environments: "
+        f"triton {env['triton']}, {env['date'][:10]}; {commands}; raw data and per-run environments: "
         "`benchmarks/results/convergence.json`, curves: `benchmarks/results/convergence.png`). Every run sees the "
         "same batches; gaps are to the fp32 AdamW run.",
         "",
         "| run | optimizer state bytes / parameter | mean gap | mean abs gap (50-step mean) | max abs gap (50-step mean) "
-        "| final held-out loss |",
-        "|---|---|---|---|---|---|",
+        "| final held-out loss | step (median) |",
+        "|---|---|---|---|---|---|---|",
     ]
     if reference is not None:
         lines.append(f"| fp32 (reference) | {reference['optimizer_state_bytes_per_parameter']:.2f} | - | - | - | "
-                     f"{reference['final_held_out_loss']:.4f} |")  # fmt: skip
+                     f"{reference['final_held_out_loss']:.4f} | {reference['step_ms_median']:.1f} ms |")  # fmt: skip
     for name in runs:
         r = summary.get(name)
         if r is None:
             continue
         lines.append(f"| {name} | {r['optimizer_state_bytes_per_parameter']:.2f} | {r['mean_gap']:+.4f} | "
                      f"{r['mean_abs_gap_smoothed']:.4f} | {r['max_abs_gap_smoothed']:.4f} | "
-                     f"{r['final_held_out_loss']:.4f} ({r['final_held_out_gap']:+.4f}) |")  # fmt: skip
+                     f"{r['final_held_out_loss']:.4f} ({r['final_held_out_gap']:+.4f}) | "
+                     f"{runs[name]['step_ms_median']:.1f} ms |")  # fmt: skip
     if "checks" in summary:
         lines += ["", "Checks: " + ", ".join(f"{k.replace('_', ' ')} {'passed' if v else 'FAILED'}"
                                              for k, v in summary["checks"].items()) + "."]  # fmt: skip
+    if summary.get("start_difference_to_reference"):
+        lines += ["", f"The runs were made in more than one process, each repeating the shared fp32 phase, whose "
+                  f"kernels are not all deterministic: the bf16 runs started from weights "
+                  f"{summary['start_difference_to_reference']:.1e} apart (relative sum of |w|) from the fp32 "
+                  "run's start, and the gaps include that. The bf16 runs share one start."]  # fmt: skip
     lines += ["", "![convergence](benchmarks/results/convergence.png)"]
     return lines
 
@@ -172,8 +179,25 @@ def quantization_section() -> list[str]:
     return lines
 
 
+def memory_section() -> list[str]:
+    path = RESULTS / "memory_hf_llama.json"
+    if not path.exists():
+        return []
+    runs = json.loads(path.read_text())["runs"]
+    forge, inductor = runs["forge"], runs["inductor (FORGE_FUSE=0)"]
+    return [
+        f"**Memory timeline** (`python -m forge_compile memory benchmarks/memory_llama.py`, bf16 HF Llama, 2x512 "
+        f"tokens, H200; raw data: `benchmarks/results/memory_hf_llama.json`): peak over the training steps "
+        f"{_mib(forge['peak_bytes'])} with forge, {_mib(inductor['peak_bytes'])} with Inductor's unfused step; "
+        f"over the first step, which compiles and autotunes, {_mib(forge['warm_up_peak_bytes'])} and "
+        f"{_mib(inductor['warm_up_peak_bytes'])} (the tuner's restore copies of each weight and its states).",
+        "",
+        "![memory timeline](benchmarks/results/memory_hf_llama.png)",
+    ]
+
+
 def render() -> str:
-    sections = [hf_llama_section(), every_rule_section(), mixed_models_section(), convergence_section(),
+    sections = [hf_llama_section(), memory_section(), every_rule_section(), mixed_models_section(), convergence_section(),
                 quantization_section()]  # fmt: skip
     body = [line for section in sections for line in section + [""]]
     return "\n".join([BEGIN, "", *body, END])
