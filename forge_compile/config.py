@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, fields
 
 _KERNELS = ("auto", "triton", "torch")
+_PATHS = ("auto", "fused", "chunked")
 
 
 @dataclass(kw_only=True)
@@ -28,6 +29,12 @@ class ForgeConfig:
     """Tune the fused kernel's tile shapes per weight shape. Read when the kernel module is
     first imported; FORGE_AUTOTUNE=0 runs one fixed config (quick tests)."""
 
+    linear_update_path: str = "auto"
+    """How the Triton op computes on a GPU: "fused" (the gradient tile lives in registers),
+    "chunked" (cuBLAS writes the fp32 gradient of a block of rows, which a Triton kernel
+    consumes at once, so no more than that block ever exists), or "auto": whichever the
+    first call for a shape measures faster, remembered on disk."""
+
     dump_dir: str | None = None
     """A folder for each compiled graph's post-grad graph before and after the rewrite,
     its decisions (JSON) and Inductor's output code (see forge_compile.dump). Graphs are
@@ -43,6 +50,8 @@ class ForgeConfig:
         super().__setattr__(name, value)
         if name == "kernel" and value not in _KERNELS:
             raise ValueError(f"forge: config.kernel must be one of {_KERNELS}, got {value!r}")
+        if name == "linear_update_path" and value not in _PATHS:
+            raise ValueError(f"forge: config.linear_update_path must be one of {_PATHS}, got {value!r}")
 
 
 def _from_environment() -> ForgeConfig:
