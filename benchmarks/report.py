@@ -196,9 +196,38 @@ def memory_section() -> list[str]:
     ]
 
 
+def kernel_section() -> list[str]:
+    path = RESULTS / "kernel.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    env, summary, rows = data["environment"], data["summary"], data["rows"]
+    ceilings = summary["ceilings"]
+    variants = "fused_kernel_ms" in rows[0]
+    lines = [
+        f"**One layer's dW + AdamW, bf16** ({env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+        f"{env['date'][:10]}; `{env['command']}`; raw data: `benchmarks/results/kernel.json` and `.csv`, plot "
+        f"`benchmarks/results/kernel.png`). Baseline: cuBLAS `dY.t() @ X`, then `torch._fused_adamw_`. Floor: "
+        f"max(FLOPs at the measured {ceilings['bf16_matmul_tflops']:.0f} TFLOP/s, the fewest bytes at the measured "
+        f"{ceilings['copy_gb_per_s'] / 1e3:.2f} TB/s). Medians of CUDA-event timings.",
+        "",
+        "| weight | T | states | baseline | forge | " + ("fused kernel | chunked | " if variants else "")
+        + "floor | speedup | forge / floor |",
+        "|---|---|---|---|---|" + ("---|---|" if variants else "") + "---|---|---|",
+    ]
+    for r in rows:
+        extra = f"{r['fused_kernel_ms']:.3f} | {r['chunked_ms']:.3f} | " if variants else ""
+        lines.append(f"| {r['M']}x{r['N']} | {r['T']} | {r['states']} | {r['baseline_ms']:.3f} | {r['forge_ms']:.3f} | "
+                     f"{extra}{r['floor_ms']:.3f} | {r['speedup']:.2f}x | {r['forge_over_floor']:.2f} |")  # fmt: skip
+    lines += ["", f"Slowest against the baseline: {summary['kernel_min_speedup_all_T']:.2f}x; farthest from the "
+              f"floor: {summary['kernel_worst_over_floor']:.1f}x (times in ms).", "",
+              "![kernel speedup](benchmarks/results/kernel.png)"]  # fmt: skip
+    return lines
+
+
 def render() -> str:
     sections = [hf_llama_section(), memory_section(), every_rule_section(), mixed_models_section(), convergence_section(),
-                quantization_section()]  # fmt: skip
+                quantization_section(), kernel_section()]  # fmt: skip
     body = [line for section in sections for line in section + [""]]
     return "\n".join([BEGIN, "", *body, END])
 
