@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
 
+import pytest
 import torch
 from torch import nn
 
@@ -90,3 +92,10 @@ def max_param_error(actual: nn.Module, expected: nn.Module) -> float:
         for a, e in zip(actual.parameters(), expected.parameters())
         if a.numel()
     )
+
+
+# --- the kernel tests' device: the GPU where there is one, else Triton's interpreter ---------
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = KERNEL_DEVICE == "cuda"
+TRITON_AVAILABLE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not TRITON_AVAILABLE, reason="needs a GPU or TRITON_INTERPRET=1")

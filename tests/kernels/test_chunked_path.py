@@ -6,8 +6,6 @@ same fp32 gradient, the same rule, the same rounding bits by global element inde
 the GPU it must agree with the fused kernel to fp32 rounding.
 """
 
-import os
-
 import pytest
 import torch
 
@@ -15,12 +13,10 @@ from forge_compile import ops, rules
 from forge_compile.config import config
 from forge_compile.kernels import linear_update
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="needs a GPU or TRITON_INTERPRET=1",
-)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ON_GPU = DEVICE == "cuda"
+from helpers import KERNEL_DEVICE as DEVICE
+from helpers import ON_GPU, needs_triton
+
+pytestmark = needs_triton
 
 # (rule, options, hyperparameters, state count)
 RULES = [

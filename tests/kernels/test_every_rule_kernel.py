@@ -11,7 +11,6 @@ interpreter's bf16 tl.dot is wrong).
 """
 
 import copy
-import os
 
 import pytest
 import torch
@@ -20,8 +19,8 @@ import forge_compile
 from benchmarks.references import lion_reference
 from forge_compile.config import config
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON_AVAILABLE = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+from helpers import KERNEL_DEVICE as DEVICE
+from helpers import TRITON_AVAILABLE
 M, N, T = 37, 29, 23  # odd sizes: every tile edge is masked
 
 # One setting per option switch of each rule (torch's hyperparameter names).

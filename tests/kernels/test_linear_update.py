@@ -4,20 +4,16 @@ On the CPU these run under TRITON_INTERPRET=1 (tests/conftest.py sets it). The
 interpreter's bf16 tl.dot is wrong, so bf16 operands are tested on the GPU only.
 """
 
-import os
-
 import pytest
 import torch
 
 from forge_compile import rules
 from forge_compile.kernels.linear_update import fused_linear_update
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="needs a GPU or TRITON_INTERPRET=1",
-)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ON_GPU = DEVICE == "cuda"
+from helpers import KERNEL_DEVICE as DEVICE
+from helpers import ON_GPU, needs_triton
+
+pytestmark = needs_triton
 
 # (weight dtype, state dtype, operand dtype, atol on the weight, atol on the states)
 DTYPES = [

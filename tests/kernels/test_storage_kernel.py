@@ -8,20 +8,16 @@ the torch path must also agree to the bit. bf16 operands run on the GPU only (th
 interpreter's bf16 tl.dot is wrong).
 """
 
-import os
-
 import pytest
 import torch
 
 from forge_compile import ops, rules
 from forge_compile.config import config
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="needs a GPU or TRITON_INTERPRET=1",
-)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ON_GPU = DEVICE == "cuda"
+from helpers import KERNEL_DEVICE as DEVICE
+from helpers import ON_GPU, needs_triton
+
+pytestmark = needs_triton
 OPERANDS = [
     pytest.param(torch.float32, id="fp32-operands"),
     pytest.param(torch.bfloat16, id="bf16-operands",
