@@ -29,7 +29,7 @@ class ForgeConfig:
     """Tune the fused kernel's tile shapes per weight shape. Read when the kernel module is
     first imported; FORGE_AUTOTUNE=0 runs one fixed config (quick tests)."""
 
-    linear_update_path: str = "auto"
+    linear_update_path: str = "fused"
     """How the Triton op computes on a GPU: "fused" (the gradient tile lives in registers),
     "chunked" (cuBLAS writes the fp32 gradient of a block of rows, which a Triton kernel
     consumes at once, so no more than that block ever exists), or "auto": whichever the

@@ -214,6 +214,8 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _max_offset(t: torch.Tensor) -> int:
+    if t.is_contiguous():
+        return t.numel() - 1
     return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
 
 
@@ -243,7 +245,10 @@ def fused_linear_update(
 
     Runs the fused kernel, or the chunked path (cuBLAS writes the fp32 gradient of a
     block of rows, the same kernel consumes it), as ``config.linear_update_path`` says;
-    "auto" measures both on the first call for a shape (see :func:`_chosen_path`).
+    "auto" measures both on the first call for a shape (see :func:`_chosen_path`). On
+    the H200 the chunked path is within 1-4% of cuBLAS + fused AdamW at T = 16384 and the
+    fused kernel 1.3-1.5x slower there; below T = 4096 the fused kernel is the faster of
+    the two (benchmarks/results/kernel_paths_partial.json).
 
     Example::
 
@@ -284,9 +289,8 @@ def fused_linear_update(
 
     path = config.linear_update_path
     if path == "auto":
-        key = "|".join(map(str, (M, N, K, weight.dtype, input.dtype, *(s.dtype for s in states), rule.name, options,
-                                 quantized_states, rounding_seed is not None, grad_min is not None,
-                                 grad_max is not None)))  # fmt: skip
+        key = (M, N, K, weight.dtype, input.dtype, *(s.dtype for s in states), rule.name, options, quantized_states,
+               rounding_seed is not None, grad_min is not None, grad_max is not None)  # fmt: skip
         path = _chosen_path(key, weight, {"fused": fused, "chunked": chunked}, [weight, *states])
     (fused if path == "fused" else chunked)()
 
@@ -324,7 +328,8 @@ def _launch(rule, weight, a, b, *, states, step, hyperparameters, options, grad_
     # fp32 operands: IEEE products as torch's fp32 matmul computes them, unless the user
     # allowed TF32 for matmuls, as torch would then use it too.
     dot_precision = "tf32" if fp32_operands and torch.backends.cuda.matmul.allow_tf32 else "ieee"
-    index_64 = max(_max_offset(t) for t in (weight, a, b, *slots, *scale_slots)) >= 2**31 - 1
+    distinct = {id(t): t for t in (weight, a, b, *slots, *scale_slots)}.values()
+    index_64 = max(_max_offset(t) for t in distinct) >= 2**31 - 1
     index_64 = index_64 or (first_row + M) * N >= 2**31 - 1  # the element index of stochastic rounding
 
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
@@ -388,6 +393,9 @@ def _fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 _PATHS: dict[str, str] = {}
+"""On-disk choices, keyed by GPU name and shape key (as text)."""
+_CHOSEN: dict[tuple, str] = {}
+"""This process's choices, keyed by (device index, shape key)."""
 
 
 def _paths_file() -> Path:
@@ -395,13 +403,22 @@ def _paths_file() -> Path:
     return Path(root) / "linear_update_paths.json"
 
 
-def _chosen_path(key: str, weight: torch.Tensor, candidates: dict, mutated: list[torch.Tensor]) -> str:
+def _chosen_path(shape_key: tuple, weight: torch.Tensor, candidates: dict, mutated: list[torch.Tensor]) -> str:
     """The faster of ``candidates`` for this shape on this GPU: measured once (each run
     restores the weight and states it changed), then remembered in memory and on disk so
     that the next process's first step neither measures nor tunes."""
     if not weight.is_cuda or _INTERPRETING or not config.autotune:
         return "fused"
-    key = f"{torch.cuda.get_device_name(weight.device)}|{key}"
+    chosen = _CHOSEN.get((weight.device.index, shape_key))
+    if chosen is not None:
+        return chosen
+    key = f"{torch.cuda.get_device_name(weight.device)}|{'|'.join(map(str, shape_key))}"
+    chosen = _chosen_on_disk_or_measured(key, candidates, mutated)
+    _CHOSEN[(weight.device.index, shape_key)] = chosen
+    return chosen
+
+
+def _chosen_on_disk_or_measured(key: str, candidates: dict, mutated: list[torch.Tensor]) -> str:
     if key in _PATHS:
         return _PATHS[key]
     path = _paths_file()

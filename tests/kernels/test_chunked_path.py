@@ -102,13 +102,15 @@ def test_chunk_rows_never_hold_the_whole_gradient():
 def test_path_choice_is_measured_once_and_remembered(tmp_path, monkeypatch):
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(linear_update, "_PATHS", {})
+    monkeypatch.setattr(linear_update, "_CHOSEN", {})
     weight = torch.randn(256, 256, device=DEVICE)
     calls = []
     candidates = {"fused": lambda: calls.append("fused"), "chunked": lambda: calls.append("chunked")}
-    first = linear_update._chosen_path("test-key", weight, candidates, [weight])
+    first = linear_update._chosen_path(("test-key",), weight, candidates, [weight])
     assert first in candidates and set(calls) == {"fused", "chunked"}
     assert (tmp_path / "linear_update_paths.json").exists()
     calls.clear()
     monkeypatch.setattr(linear_update, "_PATHS", {})  # a new process: read from disk
-    assert linear_update._chosen_path("test-key", weight, candidates, [weight]) == first
+    monkeypatch.setattr(linear_update, "_CHOSEN", {})
+    assert linear_update._chosen_path(("test-key",), weight, candidates, [weight]) == first
     assert calls == []
