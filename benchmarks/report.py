@@ -1,6 +1,6 @@
 """Write README's "Measured" section from the result files in benchmarks/results/.
 
-    python benchmarks/report.py        # rewrites the generated section of README.md
+    python benchmarks/report.py        # rewrites README.md's generated section and results/h200_summary.json
 """
 
 from __future__ import annotations
@@ -232,6 +232,39 @@ def render() -> str:
     return "\n".join([BEGIN, "", *body, END])
 
 
+def h200_summary() -> dict:
+    """The headline figures of the GPU result files, for benchmarks/results/h200_summary.json;
+    a figure whose benchmark has not run is listed under ``not_measured``."""
+    summary: dict = {"sources": []}
+    wanted = ["kernel_speedup_T512", "kernel_speedup_T1024", "kernel_min_speedup_all_T", "kernel_worst_over_floor",
+              "llama8b_bs1_seq1024_step_ratio_vs_fused_adamw", "llama8b_bs1_seq1024_peak_ratio_vs_fused_adamw"]
+    kernel = RESULTS / "kernel.json"
+    if kernel.exists():
+        data = json.loads(kernel.read_text())
+        summary["sources"].append({"file": "benchmarks/results/kernel.json", **data["environment"]})
+        for key in wanted[:4]:
+            if key in data["summary"]:
+                summary[key] = data["summary"][key]
+    step = RESULTS / "step.json"
+    if step.exists():
+        cases = {(c["model"], c["mode"], c["batch"], c["seq"]): c for c in json.loads(step.read_text())["cases"]
+                 if c.get("status") == "ok"}  # fmt: skip
+        forge, fused = cases.get(("llama-8b", "forge", 1, 1024)), cases.get(("llama-8b", "eager_fused", 1, 1024))
+        if forge and fused:
+            summary["sources"].append({"file": "benchmarks/results/step.json", **forge["environment"]})
+            summary[wanted[4]] = forge["step_ms_median"] / fused["step_ms_median"]
+            summary[wanted[5]] = forge["peak_bytes"] / fused["peak_bytes"]
+    convergence = RESULTS / "convergence.json"
+    if convergence.exists():
+        conv = json.loads(convergence.read_text())["summary"]
+        for name in ("torch_bf16", "forge_bf16_sr", "forge_bf16_sr_int8"):
+            if name in conv:
+                summary[f"convergence_{name}_mean_abs_gap_smoothed"] = conv[name]["mean_abs_gap_smoothed"]
+        summary["sources"].append({"file": "benchmarks/results/convergence.json"})
+    summary["not_measured"] = [key for key in wanted if key not in summary]
+    return summary
+
+
 def readme_with_results(text: str) -> str:
     start, end = text.index(BEGIN), text.index(END) + len(END)
     return text[:start] + render() + text[end:]
@@ -240,6 +273,7 @@ def readme_with_results(text: str) -> str:
 def main() -> int:
     readme = ROOT / "README.md"
     readme.write_text(readme_with_results(readme.read_text()))
+    (RESULTS / "h200_summary.json").write_text(json.dumps(h200_summary(), indent=2) + "\n")
     return 0
 
 
