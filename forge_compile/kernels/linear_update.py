@@ -76,7 +76,7 @@ def _autotune(**kwargs):
     restore_value=["w_ptr", "s0_ptr", "s1_ptr", "s2_ptr", "q0_ptr", "q1_ptr", "q2_ptr"],
     prune_configs_by={"early_config_prune": _configs_for_format},
 )
-@triton.jit
+@triton.jit(do_not_specialize=["rounding_seed", "first_row"])  # per-parameter values: one compile for all
 def _fused_linear_update_kernel(
     w_ptr, a_ptr, b_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
     step_ptr, h0_ptr, h1_ptr, h2_ptr, h3_ptr, h4_ptr, h5_ptr, h6_ptr, h7_ptr,
