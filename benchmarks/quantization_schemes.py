@@ -63,8 +63,8 @@ def _unblock(blocks: torch.Tensor, cols: int) -> torch.Tensor:
 
 def round_trip(x: torch.Tensor, scheme: str, signed: bool) -> torch.Tensor:
     if scheme == "sqrt":
-        codes, scales = ops._quantize(x.float(), torch.int8 if signed else torch.uint8, signed)
-        return ops._dequantize(codes, scales, signed).double()
+        codes, scales = ops.quantize_state(x.float(), torch.int8 if signed else torch.uint8, signed)
+        return ops.dequantize_state(codes, scales, signed).double()
     blocks, absmax, cols = _blocks(x)
     unit = blocks / absmax
     if scheme == "linear":

@@ -66,7 +66,7 @@ def apply_rule(
     signed = [not nonnegative for nonnegative, on in zip(rule.nonnegative_states, active) if on]
     if quantized_states:
         codes, scales = states[: len(signed)], states[len(signed) :]
-        values = [_dequantize(c, a, is_signed) for c, a, is_signed in zip(codes, scales, signed)]
+        values = [dequantize_state(c, a, is_signed) for c, a, is_signed in zip(codes, scales, signed)]
     else:
         values = [s.to(compute) for s in states]
     slots, given = [], iter(values)
@@ -79,7 +79,7 @@ def apply_rule(
     )  # fmt: skip
     new_values = [s for s, is_active in zip(out[1:], active) if is_active]
     if quantized_states:
-        stored = [_quantize(v, c.dtype, is_signed) for v, c, is_signed in zip(new_values, codes, signed)]
+        stored = [quantize_state(v, c.dtype, is_signed) for v, c, is_signed in zip(new_values, codes, signed)]
         new_states = [c for c, _ in stored] + [a for _, a in stored]
     else:
         new_states = [v.to(s.dtype) for v, s in zip(new_values, states)]
@@ -98,7 +98,8 @@ def _padded_columns(columns: int) -> int:
     return -(-columns // storage.QUANT_BLOCK) * storage.QUANT_BLOCK
 
 
-def _dequantize(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
+def dequantize_state(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
+    """An 8-bit state's values (fp32, the codes' shape) from its codes and [rows, blocks] scales."""
     rows = _as_rows(codes)
     padding = _padded_columns(rows.shape[1]) - rows.shape[1]
     padded = torch.nn.functional.pad(rows.to(torch.float32), (0, padding))
@@ -106,7 +107,9 @@ def _dequantize(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
     return values[:, : rows.shape[1]].reshape(codes.shape)
 
 
-def _quantize(values: Tensor, code_dtype: torch.dtype, signed: bool) -> tuple[Tensor, Tensor]:
+def quantize_state(values: Tensor, code_dtype: torch.dtype, signed: bool) -> tuple[Tensor, Tensor]:
+    """(codes of ``code_dtype`` shaped like ``values``, [rows, blocks] fp32 scales): the
+    8-bit storage of a state (:mod:`forge_compile.rules.storage`)."""
     rows = _as_rows(values)
     padding = _padded_columns(rows.shape[1]) - rows.shape[1]
     padded = torch.nn.functional.pad(rows.to(torch.float32), (0, padding))

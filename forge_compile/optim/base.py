@@ -287,9 +287,9 @@ class ForgeOptimizer:
             if value.dtype in (torch.int8, torch.uint8) and scale_key in state:
                 state[key] = value
                 return
-            signed = not self._forge_rule.nonnegative_states[self._forge_rule.state_keys.index(key)]
-            codes, scales = ops._quantize(value.detach().to(p.device, torch.float32), torch.int8 if signed else torch.uint8,
-                                          signed)  # fmt: skip
+            signed = self._forge_signed(key)
+            codes, scales = ops.quantize_state(value.detach().to(p.device, torch.float32),
+                                               torch.int8 if signed else torch.uint8, signed)  # fmt: skip
             state[key], state[scale_key] = codes.contiguous(), scales
             return
         if value.dtype in (torch.int8, torch.uint8) and scale_key in state:
@@ -299,9 +299,12 @@ class ForgeOptimizer:
             value = value.to(device=p.device, dtype=form)
         state[key] = value
 
+    def _forge_signed(self, key: str) -> bool:
+        """8-bit codes of ``key`` are signed (int8) unless the rule says the state is never negative."""
+        return not self._forge_rule.nonnegative_states[self._forge_rule.state_keys.index(key)]
+
     def _forge_dequantized(self, key: str, codes: Tensor, scales: Tensor) -> Tensor:
-        signed = not self._forge_rule.nonnegative_states[self._forge_rule.state_keys.index(key)]
-        return ops._dequantize(codes, scales, signed)
+        return ops.dequantize_state(codes, scales, self._forge_signed(key))
 
     def _forge_complete_state(self, p: Tensor, view: _GroupView) -> None:
         state = self.state[p]

@@ -165,13 +165,13 @@ def test_int8_round_trip_within_the_stated_bound(cols):
     # Heavy tails and many magnitudes per block, as Adam's moments have.
     m = torch.randn(96, cols) * torch.exp(torch.randn(96, cols) * 2)
     v = m * m * torch.rand(96, cols)
-    codes, scales = ops._quantize(m, torch.int8, signed=True)
-    back = ops._dequantize(codes, scales, signed=True)
+    codes, scales = ops.quantize_state(m, torch.int8, signed=True)
+    back = ops.dequantize_state(codes, scales, signed=True)
     assert codes.dtype == torch.int8 and scales.shape == (96, -(-cols // 64))
     absmax = _block_absmax(m)
     assert ((back - m).abs() <= _signed_bound(m, absmax) * (1 + 1e-5) + 1e-30).all()
-    codes, scales = ops._quantize(v, torch.uint8, signed=False)
-    back = ops._dequantize(codes, scales, signed=False)
+    codes, scales = ops.quantize_state(v, torch.uint8, signed=False)
+    back = ops.dequantize_state(codes, scales, signed=False)
     assert (back >= 0).all()
     assert ((back.sqrt() - v.sqrt()).abs() <= _root_bound(v, _block_absmax(v)) * (1 + 1e-5) + 1e-30).all()
 

@@ -40,7 +40,7 @@ def _problem(shape, operand_dtype, weight_dtype, n_states):
     v = m * m * (1 + torch.rand(M, N, generator=g))
     moments = [m, v, v * 1.5][:n_states]
     signed = [True, False, False][:n_states]
-    codes = [ops._quantize(s, torch.int8 if sg else torch.uint8, sg) for s, sg in zip(moments, signed)]
+    codes = [ops.quantize_state(s, torch.int8 if sg else torch.uint8, sg) for s, sg in zip(moments, signed)]
     states = [c for c, _ in codes] + [a for _, a in codes]
     return [t.to(DEVICE) for t in (weight, grad_output_t, input)], [s.to(DEVICE) for s in states], signed
 
