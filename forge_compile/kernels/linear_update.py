@@ -17,6 +17,7 @@ import contextlib
 import functools
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -308,26 +309,16 @@ def _launch(rule, weight, a, b, *, states, step, hyperparameters, options, grad_
     K = 1 if gradient_given else a.shape[1]
     if gradient_given:
         b = a
-    active = rule.active_states(options)
-    n_states = sum(active)
-    codes, scales = (states[:n_states], states[n_states:]) if quantized_states else (states, [])
-    slots, scale_slots, given, given_scales = [], [], iter(codes), iter(scales)
-    signed = []
-    for is_active, nonnegative in zip(active, rule.nonnegative_states):
-        slots.append(next(given) if is_active else weight)
-        scale_slots.append(next(given_scales) if is_active and quantized_states else weight)
-        signed.append(not nonnegative)
-    slots += [weight] * (rules.MAX_STATES - len(slots))
-    scale_slots += [weight] * (rules.MAX_STATES - len(scale_slots))
-    signed += [True] * (rules.MAX_STATES - len(signed))
-    has = list(active) + [False] * (rules.MAX_STATES - len(active))
-    scalars = [step, *hyperparameters] + [step] * (rules.MAX_HYPERPARAMETERS - len(hyperparameters))
-    opts = list(options) + [0] * (rules.MAX_OPTIONS - len(options))
-
     fp32_operands = a.dtype == torch.float32 or b.dtype == torch.float32
     # fp32 operands: IEEE products as torch's fp32 matmul computes them, unless the user
     # allowed TF32 for matmuls, as torch would then use it too.
     dot_precision = "tf32" if fp32_operands and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    plan = _launch_plan(rule.name, tuple(options), quantized_states,
+                        rounding_seed is not None and weight.dtype == torch.bfloat16, gradient_given,
+                        grad_min is not None, grad_max is not None, dot_precision)  # fmt: skip
+    slots = [weight if i is None else states[i] for i in plan.state_slots]
+    scale_slots = [weight if i is None else states[i] for i in plan.scale_slots]
+    scalars = [step, *hyperparameters] + [step] * (rules.MAX_HYPERPARAMETERS - len(hyperparameters))
     distinct = {id(t): t for t in (weight, a, b, *slots, *scale_slots)}.values()
     index_64 = max(_max_offset(t) for t in distinct) >= 2**31 - 1
     index_64 = index_64 or (first_row + M) * N >= 2**31 - 1  # the element index of stochastic rounding
@@ -346,16 +337,45 @@ def _launch(rule, weight, a, b, *, states, step, hyperparameters, options, grad_
             slots[2].stride(0), slots[2].stride(1),
             scale_slots[0].stride(0), scale_slots[0].stride(1), scale_slots[1].stride(0), scale_slots[1].stride(1),
             scale_slots[2].stride(0), scale_slots[2].stride(1),
-            RULE_KEY=_rule_key(rule.name, options),
-            COEFFICIENTS=rule.triton_coefficients, ELEMENTWISE=rule.triton_elementwise,
-            HAS_S0=has[0], HAS_S1=has[1], HAS_S2=has[2],
-            O0=opts[0], O1=opts[1], O2=opts[2], O3=opts[3],
-            DOT_PRECISION=dot_precision, INDEX_64=index_64, CLAMP_MIN=grad_min is not None,
-            CLAMP_MAX=grad_max is not None,
-            QUANTIZED=quantized_states, SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
-            ROUND_STOCHASTIC=rounding_seed is not None and weight.dtype == torch.bfloat16,
-            QUANT_BLOCK=storage.QUANT_BLOCK, GRADIENT_GIVEN=gradient_given,
+            INDEX_64=index_64, **plan.constexprs,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _LaunchPlan:
+    """What a launch's static switches decide, worked out once per combination: the
+    kernel's constexprs and which of the op's state tensors fills each slot (None: the
+    weight, a placeholder the kernel never reads)."""
+
+    constexprs: dict
+    state_slots: tuple
+    scale_slots: tuple
+
+
+@functools.cache
+def _launch_plan(rule_name, options, quantized_states, stochastic, gradient_given, clamp_min, clamp_max,
+                 dot_precision) -> _LaunchPlan:  # fmt: skip
+    rule = rules.get(rule_name)
+    active = list(rule.active_states(options))
+    active += [False] * (rules.MAX_STATES - len(active))
+    n_states = sum(active)
+    state_slots, scale_slots, given = [], [], 0
+    for is_active in active:
+        state_slots.append(given if is_active else None)
+        scale_slots.append(n_states + given if is_active and quantized_states else None)
+        given += bool(is_active)
+    signed = [not n for n in rule.nonnegative_states] + [True] * (rules.MAX_STATES - len(rule.state_keys))
+    opts = list(options) + [0] * (rules.MAX_OPTIONS - len(options))
+    constexprs = dict(
+        RULE_KEY=_rule_key(rule.name, options),
+        COEFFICIENTS=rule.triton_coefficients, ELEMENTWISE=rule.triton_elementwise,
+        HAS_S0=active[0], HAS_S1=active[1], HAS_S2=active[2],
+        O0=opts[0], O1=opts[1], O2=opts[2], O3=opts[3],
+        DOT_PRECISION=dot_precision, CLAMP_MIN=clamp_min, CLAMP_MAX=clamp_max,
+        QUANTIZED=quantized_states, SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
+        ROUND_STOCHASTIC=stochastic, QUANT_BLOCK=storage.QUANT_BLOCK, GRADIENT_GIVEN=gradient_given,
+    )  # fmt: skip
+    return _LaunchPlan(constexprs, tuple(state_slots), tuple(scale_slots))
 
 
 # --- the chunked path and the choice between the two ------------------------------------------
