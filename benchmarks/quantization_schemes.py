@@ -63,7 +63,7 @@ def _unblock(blocks: torch.Tensor, cols: int) -> torch.Tensor:
 
 def round_trip(x: torch.Tensor, scheme: str, signed: bool) -> torch.Tensor:
     if scheme == "sqrt":
-        codes, scales = ops.quantize_state(x.float(), torch.int8 if signed else torch.uint8, signed)
+        codes, scales = ops.quantize_state(x.float(), signed)
         return ops.dequantize_state(codes, scales, signed).double()
     blocks, absmax, cols = _blocks(x)
     unit = blocks / absmax

@@ -63,7 +63,7 @@ def apply_rule(
     coefficients = [c.to(compute) for c in coefficients]
     param_c = param.to(compute)
     active = rule.active_states(tuple(options))
-    signed = [not nonnegative for nonnegative, on in zip(rule.nonnegative_states, active) if on]
+    signed = rule.signed_active_states(tuple(options))
     if quantized_states:
         codes, scales = states[: len(signed)], states[len(signed) :]
         values = [dequantize_state(c, a, is_signed) for c, a, is_signed in zip(codes, scales, signed)]
@@ -79,7 +79,7 @@ def apply_rule(
     )  # fmt: skip
     new_values = [s for s, is_active in zip(out[1:], active) if is_active]
     if quantized_states:
-        stored = [quantize_state(v, c.dtype, is_signed) for v, c, is_signed in zip(new_values, codes, signed)]
+        stored = [quantize_state(v, is_signed) for v, is_signed in zip(new_values, signed)]
         new_states = [c for c, _ in stored] + [a for _, a in stored]
     else:
         new_states = [v.to(s.dtype) for v, s in zip(new_values, states)]
@@ -107,14 +107,19 @@ def dequantize_state(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
     return values[:, : rows.shape[1]].reshape(codes.shape)
 
 
-def quantize_state(values: Tensor, code_dtype: torch.dtype, signed: bool) -> tuple[Tensor, Tensor]:
-    """(codes of ``code_dtype`` shaped like ``values``, [rows, blocks] fp32 scales): the
-    8-bit storage of a state (:mod:`forge_compile.rules.storage`)."""
+def code_dtype(signed: bool) -> torch.dtype:
+    """The dtype of a state's 8-bit codes: int8 for a state that may be negative, else uint8."""
+    return torch.int8 if signed else torch.uint8
+
+
+def quantize_state(values: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
+    """(codes shaped like ``values``, [rows, blocks] fp32 scales): the 8-bit storage of a
+    state (:mod:`forge_compile.rules.storage`)."""
     rows = _as_rows(values)
     padding = _padded_columns(rows.shape[1]) - rows.shape[1]
     padded = torch.nn.functional.pad(rows.to(torch.float32), (0, padding))
     codes, scales = _torch_storage("quantize_blocks")(padded, *padded.shape, storage.QUANT_BLOCK, signed)
-    return codes[:, : rows.shape[1]].to(code_dtype).reshape(values.shape), scales
+    return codes[:, : rows.shape[1]].to(code_dtype(signed)).reshape(values.shape), scales
 
 
 def _round_stochastically(values: Tensor, step: Tensor, seed: int, first_row: int) -> Tensor:
@@ -160,11 +165,10 @@ def _check_update_arguments(rule_name, param, states, hyperparameters, options, 
     if quantized_states:
         if param.dim() < 2:
             raise ValueError("forge: 8-bit states need a parameter of 2 or more dimensions")
-        for c, a, nonnegative in zip(codes, scales, [n for n, on in zip(rule.nonnegative_states,
-                                                                        rule.active_states(tuple(options))) if on]):
-            wanted = torch.uint8 if nonnegative else torch.int8
+        for c, a, signed in zip(codes, scales, rule.signed_active_states(tuple(options))):
+            wanted = code_dtype(signed)
             if c.dtype != wanted:
-                raise ValueError(f"forge: {'non-negative' if nonnegative else 'signed'} 8-bit state codes are {wanted}, got {c.dtype}")
+                raise ValueError(f"forge: {'signed' if signed else 'non-negative'} 8-bit state codes are {wanted}, got {c.dtype}")
             if tuple(a.shape) != scale_shape(tuple(param.shape)) or a.dtype != torch.float32:
                 raise ValueError(
                     f"forge: 8-bit state scales must be float32 of shape {scale_shape(tuple(param.shape))}, "

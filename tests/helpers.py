@@ -99,3 +99,23 @@ KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = KERNEL_DEVICE == "cuda"
 TRITON_AVAILABLE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not TRITON_AVAILABLE, reason="needs a GPU or TRITON_INTERPRET=1")
+
+
+# --- the 8-bit code's round-trip bounds (forge_compile/rules/storage.py), stated independently ---
+def block_absmax(x: torch.Tensor) -> torch.Tensor:
+    """Each element's block scale: the largest |x| of its run of 64 along the row."""
+    rows, cols = x.shape
+    padded = torch.nn.functional.pad(x.abs(), (0, -cols % 64))
+    return padded.reshape(rows, -1, 64).amax(dim=2).repeat_interleave(64, dim=1)[:, :cols]
+
+
+def signed_code_bound(x: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """Bound on |x - x'| for the signed square-root code on 127 levels."""
+    s = 127 * torch.sqrt(x.abs() / absmax)
+    return absmax * (s + 0.25) / 127**2
+
+
+def root_code_bound(x: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """Bound on |sqrt(x) - sqrt(x')| for the non-negative code on 255 levels."""
+    s = 255 * (x / absmax) ** 0.25
+    return absmax.sqrt() * (s + 0.25) / 255**2

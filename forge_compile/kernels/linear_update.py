@@ -281,9 +281,8 @@ def fused_linear_update(
     def fused():
         update(grad_output_t, input)
 
-    rows = _chunk_rows(M, N)
-
     def chunked():
+        rows = _chunk_rows(M, N)
         for start in range(0, M, rows):
             block = slice(start, min(M, start + rows))
             update(_fp32_matmul(grad_output_t[block], input), None, block=block)

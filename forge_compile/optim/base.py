@@ -287,9 +287,7 @@ class ForgeOptimizer:
             if value.dtype in (torch.int8, torch.uint8) and scale_key in state:
                 state[key] = value
                 return
-            signed = self._forge_signed(key)
-            codes, scales = ops.quantize_state(value.detach().to(p.device, torch.float32),
-                                               torch.int8 if signed else torch.uint8, signed)  # fmt: skip
+            codes, scales = ops.quantize_state(value.detach().to(p.device, torch.float32), self._forge_signed(key))
             state[key], state[scale_key] = codes.contiguous(), scales
             return
         if value.dtype in (torch.int8, torch.uint8) and scale_key in state:

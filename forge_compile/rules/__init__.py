@@ -83,6 +83,12 @@ class Rule:
         ):
             raise ValueError(f"rule {self.name}: scalar states need initial values and an advance function")
 
+    def signed_active_states(self, options: tuple[int, ...]) -> tuple[bool, ...]:
+        """For each state present with these options, in order: may it be negative (its
+        8-bit codes are int8, else uint8)."""
+        return tuple(not nonnegative for nonnegative, on in zip(self.nonnegative_states, self.active_states(options))
+                     if on)  # fmt: skip
+
     @property
     def scalar_inputs(self) -> tuple[str, ...]:
         """What the ops' ``hyperparameters`` list holds: the group's hyperparameters, then the scalar states."""

@@ -15,6 +15,7 @@ from torch import nn
 
 import forge_compile
 from forge_compile import ops
+from helpers import block_absmax, root_code_bound, signed_code_bound
 
 BF16_ULP_BELOW_ONE = 2.0**-8  # bf16 spacing in [0.5, 1)
 
@@ -143,37 +144,20 @@ def test_fp16_refuses_stochastic_rounding_with_a_clear_error():
 # --- 8-bit states --------------------------------------------------------------------------
 
 
-def _signed_bound(x, absmax):
-    s = 127 * torch.sqrt(x.abs() / absmax)
-    return absmax * (s + 0.25) / 127**2
-
-
-def _root_bound(x, absmax):
-    """Bound on |sqrt(x) - sqrt(x')| for the non-negative code."""
-    s = 255 * (x / absmax) ** 0.25
-    return absmax.sqrt() * (s + 0.25) / 255**2
-
-
-def _block_absmax(x):
-    rows, cols = x.shape
-    padded = torch.nn.functional.pad(x.abs(), (0, -cols % 64))
-    return padded.reshape(rows, -1, 64).amax(dim=2).repeat_interleave(64, dim=1)[:, :cols]
-
-
 @pytest.mark.parametrize("cols", [64, 200])
 def test_int8_round_trip_within_the_stated_bound(cols):
     # Heavy tails and many magnitudes per block, as Adam's moments have.
     m = torch.randn(96, cols) * torch.exp(torch.randn(96, cols) * 2)
     v = m * m * torch.rand(96, cols)
-    codes, scales = ops.quantize_state(m, torch.int8, signed=True)
+    codes, scales = ops.quantize_state(m, signed=True)
     back = ops.dequantize_state(codes, scales, signed=True)
     assert codes.dtype == torch.int8 and scales.shape == (96, -(-cols // 64))
-    absmax = _block_absmax(m)
-    assert ((back - m).abs() <= _signed_bound(m, absmax) * (1 + 1e-5) + 1e-30).all()
-    codes, scales = ops.quantize_state(v, torch.uint8, signed=False)
+    absmax = block_absmax(m)
+    assert ((back - m).abs() <= signed_code_bound(m, absmax) * (1 + 1e-5) + 1e-30).all()
+    codes, scales = ops.quantize_state(v, signed=False)
     back = ops.dequantize_state(codes, scales, signed=False)
     assert (back >= 0).all()
-    assert ((back.sqrt() - v.sqrt()).abs() <= _root_bound(v, _block_absmax(v)) * (1 + 1e-5) + 1e-30).all()
+    assert ((back.sqrt() - v.sqrt()).abs() <= root_code_bound(v, block_absmax(v)) * (1 + 1e-5) + 1e-30).all()
 
 
 def _mlp(dtype=torch.float32):
@@ -251,9 +235,9 @@ def test_int8_step_matches_the_quantized_algorithm_in_float64():
     expected_m, expected_v = ref_opt.state[reference.weight]["exp_avg"], ref_opt.state[reference.weight]["exp_avg_sq"]
     assert optimizer.state[weight]["exp_avg"].dtype == torch.int8
     assert optimizer.state[weight]["exp_avg_sq"].dtype == torch.uint8
-    m_bound = _signed_bound(expected_m, _block_absmax(expected_m)) * 1.01 + 1e-7 * _block_absmax(expected_m)
+    m_bound = signed_code_bound(expected_m, block_absmax(expected_m)) * 1.01 + 1e-7 * block_absmax(expected_m)
     assert ((after["exp_avg"].double() - expected_m).abs() <= m_bound).all()
-    v_bound = _root_bound(expected_v, _block_absmax(expected_v)) * 1.01 + 1e-6 * _block_absmax(expected_v).sqrt()
+    v_bound = root_code_bound(expected_v, block_absmax(expected_v)) * 1.01 + 1e-6 * block_absmax(expected_v).sqrt()
     assert ((after["exp_avg_sq"].double().sqrt() - expected_v.sqrt()).abs() <= v_bound).all()
     # The weight moves with the new moments before they are requantized: fp32 rounding only.
     torch.testing.assert_close(weight.detach().double(), reference.weight.detach(), atol=1e-6, rtol=0)

@@ -40,8 +40,7 @@ def _problem(rule_name, n_states, weight_dtype, quantized, M=150, N=100, T=24):
     values = [(torch.rand(M, N, generator=g) + 0.1) * 1e-2 if nonnegative else torch.randn(M, N, generator=g) * 1e-3
               for nonnegative in rule.nonnegative_states[:n_states]]  # fmt: skip
     if quantized:
-        pairs = [ops.quantize_state(v, torch.uint8 if nn else torch.int8, not nn)
-                 for v, nn in zip(values, rule.nonnegative_states)]  # fmt: skip
+        pairs = [ops.quantize_state(v, not nn) for v, nn in zip(values, rule.nonnegative_states)]
         states = [c for c, _ in pairs] + [a for _, a in pairs]
     else:
         states = values

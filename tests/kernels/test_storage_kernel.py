@@ -15,7 +15,7 @@ from forge_compile import ops, rules
 from forge_compile.config import config
 
 from helpers import KERNEL_DEVICE as DEVICE
-from helpers import ON_GPU, needs_triton
+from helpers import ON_GPU, block_absmax, needs_triton, root_code_bound, signed_code_bound
 
 pytestmark = needs_triton
 OPERANDS = [
@@ -40,7 +40,7 @@ def _problem(shape, operand_dtype, weight_dtype, n_states):
     v = m * m * (1 + torch.rand(M, N, generator=g))
     moments = [m, v, v * 1.5][:n_states]
     signed = [True, False, False][:n_states]
-    codes = [ops.quantize_state(s, torch.int8 if sg else torch.uint8, sg) for s, sg in zip(moments, signed)]
+    codes = [ops.quantize_state(s, sg) for s, sg in zip(moments, signed)]
     states = [c for c, _ in codes] + [a for _, a in codes]
     return [t.to(DEVICE) for t in (weight, grad_output_t, input)], [s.to(DEVICE) for s in states], signed
 
@@ -61,12 +61,6 @@ def _dequantize64(codes, scales, signed):
     unit = c * c.abs() / 127**2 if signed else (c / 255) ** 4
     cols = codes.shape[1]
     return unit * scales.double().repeat_interleave(64, dim=1)[:, :cols]
-
-
-def _block_absmax(x):
-    rows, cols = x.shape
-    padded = torch.nn.functional.pad(x.abs(), (0, -cols % 64))
-    return padded.reshape(rows, -1, 64).amax(dim=2).repeat_interleave(64, dim=1)[:, :cols]
 
 
 def _reference(weight, grad_output_t, input, states, options, signed):
@@ -103,14 +97,12 @@ def test_bf16_weights_and_int8_states_against_float64(operand_dtype, shape, opti
     n = n_states
     new = [_dequantize64(c.cpu(), a.cpu(), sg) for c, a, sg in zip(states[:n], states[n:], signed)]
     for value, expected, is_signed in zip(new, ref_states, signed):
-        absmax = _block_absmax(expected)
+        absmax = block_absmax(expected)
         if is_signed:
-            s = 127 * torch.sqrt(expected.abs() / absmax)
-            bound = absmax * (s + 0.25) / 127**2
+            bound = signed_code_bound(expected, absmax)
             assert ((value - expected).abs() <= bound * 1.01 + 1e-6 * absmax).all()
         else:
-            s = 255 * (expected / absmax) ** 0.25
-            bound = absmax.sqrt() * (s + 0.25) / 255**2
+            bound = root_code_bound(expected, absmax)
             assert ((value.sqrt() - expected.sqrt()).abs() <= bound * 1.01 + 1e-6 * absmax.sqrt()).all()
 
 
