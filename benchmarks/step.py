@@ -40,6 +40,7 @@ MODELS = {
     "qwen3-1.7b": (2048, 6144, 28, 16, 8, 151936, True),
     "llama-8b": (4096, 14336, 32, 32, 8, 128256, False),
     "qwen3-14b": (5120, 17408, 40, 40, 8, 151936, False),
+    "tiny-llama": (64, 128, 2, 4, 2, 256, False),  # a smoke test of this script on the CPU
 }
 MODES = ("eager_fused", "hooks", "inductor", "forge", "forge_int8")
 WARMUP, TIMED = 3, 10
@@ -96,8 +97,31 @@ def _optimizer_step(model, mode: str):
     return torch.compile(causal_lm_train_step(model, optimizer), backend="forge")
 
 
-def worker(model_name: str, mode: str, batch: int, seq: int) -> dict:
-    device = torch.device("cuda")
+def _synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed_ms(step, batch, device):
+    """One step's time in ms: CUDA events on the GPU, the host clock elsewhere."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        loss = step(batch)
+        return (time.perf_counter() - start) * 1e3, loss
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    loss = step(batch)
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end), loss
+
+
+def _peak_bytes(device):
+    return torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+
+
+def worker(model_name: str, mode: str, batch: int, seq: int, device: str = "cuda") -> dict:
+    device = torch.device(device)
     result = {"model": model_name, "mode": mode, "batch": batch, "seq": seq}
     try:
         model, config = build(model_name, device)
@@ -107,24 +131,29 @@ def worker(model_name: str, mode: str, batch: int, seq: int) -> dict:
         batches = [torch.randint(0, config.vocab_size, (batch, seq), device=device, generator=generator)
                    for _ in range(4)]  # fmt: skip
         start = time.perf_counter()
-        step(batches[0])
-        torch.cuda.synchronize()
+        if mode.startswith("forge"):  # the first step, run through explain to record what was fused
+            import forge_compile
+
+            report = forge_compile.explain(step, batches[0])
+            result["fused_weights"] = len(report.fused)
+            result["unfused"] = {d.name: d.code for d in report.rejected}
+        else:
+            step(batches[0])
+        _synchronize(device)
         result["first_step_s"] = time.perf_counter() - start
         for i in range(1, WARMUP):
             step(batches[i % 4])
-        torch.cuda.synchronize()
-        result["peak_with_compile_bytes"] = torch.cuda.max_memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        times = []
+        _synchronize(device)
+        result["peak_with_compile_bytes"] = _peak_bytes(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times, losses = [], []
         for i in range(TIMED):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            loss = step(batches[i % 4])
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        result.update(step_ms_median=statistics.median(times), step_ms_all=times,
-                      peak_bytes=torch.cuda.max_memory_allocated(), loss=float(loss), status="ok")  # fmt: skip
+            milliseconds, loss = _timed_ms(step, batches[i % 4], device)
+            times.append(milliseconds)
+            losses.append(float(loss))
+        result.update(step_ms_median=statistics.median(times), step_ms_all=times, peak_bytes=_peak_bytes(device),
+                      loss=losses[-1], losses=losses, status="ok")  # fmt: skip
     except torch.OutOfMemoryError as error:
         result.update(status="out_of_memory", error=str(error).splitlines()[0])
     return result
@@ -138,10 +167,11 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "MODE", "BATCH", "SEQ"), help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=560, help="seconds per case")
+    parser.add_argument("--device", default="cuda", help="cpu runs the tiny-llama smoke test")
     args = parser.parse_args()
     if args.worker:
         name, mode, batch, seq = args.worker
-        print(json.dumps(worker(name, mode, int(batch), int(seq))))
+        print(json.dumps(worker(name, mode, int(batch), int(seq), args.device)))
         return 0
     path = RESULTS / "step.json"
     previous = json.loads(path.read_text()) if path.exists() else {"cases": []}
