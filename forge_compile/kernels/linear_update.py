@@ -42,7 +42,8 @@ def _configs():
         # The interpreter runs every trial on the CPU: one small config (per state
         # format: 8-bit blocks need 64 columns) keeps tests fast.
         return [
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=1)
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": 16, "GROUP_M": 2, "PREFETCH": 0, "PERSISTENT": 0},
+                          num_warps=1)  # fmt: skip
             for n in (16, storage.QUANT_BLOCK)
         ]
     # Candidate tiles for Hopper: 128x128 for large weights, narrower tiles so that small
@@ -52,7 +53,8 @@ def _configs():
     if not config.autotune:
         shapes = shapes[3:4]
     return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "PREFETCH": 0, "PERSISTENT": 0},
+                      num_warps=w, num_stages=s)  # fmt: skip
         for m, n, k, w, s in shapes
     ]
 
@@ -93,8 +95,53 @@ def _fused_linear_update_kernel(
     O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, CLAMP_MIN: tl.constexpr, CLAMP_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PREFETCH: tl.constexpr, PERSISTENT: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        # PERSISTENT programs per SM walk the tiles; the pipeliner can then start the next
+        # tile's loads during this tile's epilogue.
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            _update_tile(
+                tile, w_ptr, a_ptr, b_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, step_ptr, h0_ptr, h1_ptr,
+                h2_ptr, h3_ptr, h4_ptr, h5_ptr, h6_ptr, h7_ptr, M, N, K, grad_min, grad_max, rounding_seed,
+                first_row, stride_wm, stride_wn, stride_am, stride_ak, stride_bk, stride_bn, stride_s0m, stride_s0n,
+                stride_s1m, stride_s1n, stride_s2m, stride_s2n, stride_q0m, stride_q0n, stride_q1m, stride_q1n,
+                stride_q2m, stride_q2n, RULE_KEY, QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC,
+                QUANT_BLOCK, GRADIENT_GIVEN, COEFFICIENTS, ELEMENTWISE, HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3,
+                DOT_PRECISION, INDEX_64, CLAMP_MIN, CLAMP_MAX, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PREFETCH
+            )  # fmt: skip
+    else:
+        _update_tile(
+            tl.program_id(0), w_ptr, a_ptr, b_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, step_ptr, h0_ptr,
+            h1_ptr, h2_ptr, h3_ptr, h4_ptr, h5_ptr, h6_ptr, h7_ptr, M, N, K, grad_min, grad_max, rounding_seed,
+            first_row, stride_wm, stride_wn, stride_am, stride_ak, stride_bk, stride_bn, stride_s0m, stride_s0n,
+            stride_s1m, stride_s1n, stride_s2m, stride_s2n, stride_q0m, stride_q0n, stride_q1m, stride_q1n,
+            stride_q2m, stride_q2n, RULE_KEY, QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK,
+            GRADIENT_GIVEN, COEFFICIENTS, ELEMENTWISE, HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, DOT_PRECISION,
+            INDEX_64, CLAMP_MIN, CLAMP_MAX, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PREFETCH
+        )  # fmt: skip
+
+
+@triton.jit
+def _update_tile(
+    pid,
+    w_ptr, a_ptr, b_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
+    step_ptr, h0_ptr, h1_ptr, h2_ptr, h3_ptr, h4_ptr, h5_ptr, h6_ptr, h7_ptr,
+    M, N, K, grad_min, grad_max, rounding_seed, first_row,
+    stride_wm, stride_wn, stride_am, stride_ak, stride_bk, stride_bn,
+    stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
+    stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
+    RULE_KEY: tl.constexpr,
+    QUANTIZED: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
+    ROUND_STOCHASTIC: tl.constexpr, QUANT_BLOCK: tl.constexpr, GRADIENT_GIVEN: tl.constexpr,
+    COEFFICIENTS: tl.constexpr, ELEMENTWISE: tl.constexpr,
+    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
+    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, CLAMP_MIN: tl.constexpr, CLAMP_MAX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):  # fmt: skip
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
@@ -113,6 +160,17 @@ def _fused_linear_update_kernel(
         rk = rk.to(tl.int64)
     mask_m = rm < M
     mask_n = rn < N
+
+    mask = mask_m[:, None] & mask_n[None, :]
+    w_ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :] * stride_wn
+    s0_ptrs = s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n
+    s1_ptrs = s1_ptr + rm[:, None] * stride_s1m + rn[None, :] * stride_s1n
+    s2_ptrs = s2_ptr + rm[:, None] * stride_s2m + rn[None, :] * stride_s2n
+    if PREFETCH:
+        # The weight and state tiles are requested before the matmul loop, in their stored
+        # dtypes, so that their memory latency overlaps the loop instead of following it.
+        w_stored, s0_stored, s1_stored, s2_stored = _load_tiles(
+            w_ptrs, s0_ptrs, s1_ptrs, s2_ptrs, mask, HAS_S0, HAS_S1, HAS_S2)  # fmt: skip
 
     if GRADIENT_GIVEN:
         # The chunked path: ``a`` is an fp32 gradient block [M, N] that cuBLAS just wrote.
@@ -144,21 +202,13 @@ def _fused_linear_update_kernel(
         tl.load(h6_ptr).to(tl.float64), tl.load(h7_ptr).to(tl.float64),
     )  # fmt: skip
 
-    mask = mask_m[:, None] & mask_n[None, :]
-    w_ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :] * stride_wn
-    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-    s0_ptrs = s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n
-    s1_ptrs = s1_ptr + rm[:, None] * stride_s1m + rn[None, :] * stride_s1n
-    s2_ptrs = s2_ptr + rm[:, None] * stride_s2m + rn[None, :] * stride_s2n
-    s0 = w
-    s1 = w
-    s2 = w
-    if HAS_S0:
-        s0 = tl.load(s0_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_S1:
-        s1 = tl.load(s1_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_S2:
-        s2 = tl.load(s2_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if not PREFETCH:
+        w_stored, s0_stored, s1_stored, s2_stored = _load_tiles(
+            w_ptrs, s0_ptrs, s1_ptrs, s2_ptrs, mask, HAS_S0, HAS_S1, HAS_S2)  # fmt: skip
+    w = w_stored.to(tl.float32)
+    s0 = s0_stored.to(tl.float32)
+    s1 = s1_stored.to(tl.float32)
+    s2 = s2_stored.to(tl.float32)
     if QUANTIZED:
         # 8-bit states: a tile holds whole 64-column blocks, so this program owns their scales.
         blocks_per_tile: tl.constexpr = BLOCK_N // QUANT_BLOCK
@@ -211,7 +261,45 @@ def _fused_linear_update_kernel(
         tl.store(s2_ptrs, s2.to(s2_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _load_tiles(w_ptrs, s0_ptrs, s1_ptrs, s2_ptrs, mask, HAS_S0: tl.constexpr, HAS_S1: tl.constexpr,
+                HAS_S2: tl.constexpr):  # fmt: skip
+    """The weight tile and the rule's state tiles as stored; an absent state is the weight
+    tile again, never read."""
+    w = tl.load(w_ptrs, mask=mask, other=0.0)
+    s0 = w
+    s1 = w
+    s2 = w
+    if HAS_S0:
+        s0 = tl.load(s0_ptrs, mask=mask, other=0.0)
+    if HAS_S1:
+        s1 = tl.load(s1_ptrs, mask=mask, other=0.0)
+    if HAS_S2:
+        s2 = tl.load(s2_ptrs, mask=mask, other=0.0)
+    return w, s0, s1, s2
+
+
+@contextlib.contextmanager
+def only_config(kernel_config: triton.Config):
+    """Launch the fused kernel with ``kernel_config`` alone, untuned, inside the block
+    (benchmarks/kernel_configs.py times each candidate this way; the tests run each variant)."""
+    saved_configs, saved_cache = _fused_linear_update_kernel.configs, dict(_fused_linear_update_kernel.cache)
+    _fused_linear_update_kernel.configs = [kernel_config]
+    _fused_linear_update_kernel.cache.clear()
+    try:
+        yield
+    finally:
+        _fused_linear_update_kernel.configs = saved_configs
+        _fused_linear_update_kernel.cache.clear()
+        _fused_linear_update_kernel.cache.update(saved_cache)
+
+
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _max_offset(t: torch.Tensor) -> int:
@@ -322,7 +410,12 @@ def _launch(rule, weight, a, b, *, states, step, hyperparameters, options, grad_
     index_64 = max(_max_offset(t) for t in distinct) >= 2**31 - 1
     index_64 = index_64 or (first_row + M) * N >= 2**31 - 1  # the element index of stochastic rounding
 
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    def grid(meta):
+        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        if meta["PERSISTENT"]:
+            return (min(tiles, meta["PERSISTENT"] * _multiprocessors(weight.device)),)
+        return (tiles,)
+
     with torch.cuda.device(weight.device) if weight.is_cuda else contextlib.nullcontext():
         _fused_linear_update_kernel[grid](
             weight, a, b, *slots, *scale_slots,

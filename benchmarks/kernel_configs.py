@@ -1,0 +1,122 @@
+"""Which tile configs and loop variants of the fused kernel are fastest on this GPU.
+
+Each candidate (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages; PREFETCH: the weight and
+state tiles requested before the matmul loop; PERSISTENT: that many programs per SM
+walking the tiles) runs alone (``linear_update.only_config``) on the dW + AdamW problem of
+benchmarks/kernel.py, bf16 dY/X/W and states, beside cuBLAS's ``dY.t() @ X`` alone and
+cuBLAS + ``torch._fused_adamw_``. The kernel's candidate list (``_configs``) and
+default are chosen from results/kernel_configs.json.
+
+    PYTHONPATH=. python benchmarks/kernel_configs.py [--budget-s 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.kernel import BETA1, BETA2, EPS, L2_BYTES, LR, WEIGHT_DECAY, _inputs, minimum_bytes  # noqa: E402
+from benchmarks.utils import write_result  # noqa: E402
+
+SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096)]
+TOKENS = [512, 1024, 4096, 16384]
+TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+    (128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+    (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 4, 3),
+]  # fmt: skip
+VARIANTS = [(0, 0), (1, 0), (0, 1), (1, 1)]  # (PREFETCH, PERSISTENT)
+
+
+def _quick_ms(fn, sets: int) -> float:
+    """Median of CUDA-event timings over ~50 ms, rotating input sets as benchmarks/kernel.py does."""
+    import triton.testing
+
+    counter = iter(range(10**9))
+    return triton.testing.do_bench(lambda: fn(next(counter) % sets), warmup=10, rep=50, return_mode="median")
+
+
+def candidates():
+    import triton
+
+    for m, n, k, warps, stages in TILES:
+        for prefetch, persistent in VARIANTS:
+            name = f"{m}x{n}x{k}_w{warps}_s{stages}_p{prefetch}_r{persistent}"
+            yield name, triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "PREFETCH": prefetch,
+                                       "PERSISTENT": persistent}, num_warps=warps, num_stages=stages)  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-s", type=float, default=300, help="stop timing new cases after this long")
+    args = parser.parse_args()
+    from forge_compile import rules
+    from forge_compile.kernels import linear_update
+
+    device = torch.device("cuda")
+    rule = rules.get("adam")
+    hyper = [torch.tensor(h, dtype=torch.float64, device=device) for h in (LR, BETA1, BETA2, EPS, WEIGHT_DECAY)]
+    step = torch.tensor(10.0, device=device)
+    started = time.perf_counter()
+    rows, failures = [], {}
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the progress bar is optional
+        tqdm = lambda x, **_: x  # noqa: E731
+    for M, N in SHAPES:
+        for T in tqdm(TOKENS, desc=f"{M}x{N}", file=sys.stdout):
+            if time.perf_counter() - started > args.budget_s:
+                break
+            per_set = minimum_bytes(M, N, T, 2)
+            sets = max(2, -(-L2_BYTES // per_set))
+            inputs = _inputs(M, N, T, torch.bfloat16, device, sets)
+            steps = [torch.tensor(10.0, device=device) for _ in range(sets)]
+
+            def baseline(i):
+                w, dy, x, m, v = inputs[i]
+                torch._fused_adamw_([w], [dy.t() @ x], [m], [v], [], [steps[i]], lr=LR, beta1=BETA1, beta2=BETA2,
+                                    weight_decay=WEIGHT_DECAY, eps=EPS, amsgrad=False, maximize=False)  # fmt: skip
+
+            def matmul(i):
+                _, dy, x, _, _ = inputs[i]
+                return dy.t() @ x
+
+            def fused(i):
+                w, dy, x, m, v = inputs[i]
+                linear_update.fused_linear_update(rule, w, dy.t(), x, [m, v], step, hyper, (1, 0, 0, 1))
+
+            row = {"M": M, "N": N, "T": T, "baseline_ms": _quick_ms(baseline, sets),
+                   "cublas_matmul_ms": _quick_ms(matmul, sets), "configs_ms": {}}  # fmt: skip
+            for name, kernel_config in candidates():
+                if name in failures:
+                    continue
+                try:
+                    with linear_update.only_config(kernel_config):
+                        fused(0)
+                        row["configs_ms"][name] = _quick_ms(fused, sets)
+                except Exception as error:  # out of shared memory or registers: recorded, the others go on
+                    failures[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            best = min(row["configs_ms"], key=row["configs_ms"].get)
+            row.update(best=best, best_ms=row["configs_ms"][best], speedup=row["baseline_ms"] / row["configs_ms"][best])
+            rows.append(row)
+            print(f"{M}x{N} T={T}: baseline {row['baseline_ms']:.3f} cuBLAS mm {row['cublas_matmul_ms']:.3f} "
+                  f"best {best} {row['best_ms']:.3f} ({row['speedup']:.2f}x)", flush=True)
+            write_result("kernel_configs", {"rows": rows, "failures": failures})
+            inputs = steps = None  # freed before the next case allocates
+            torch.cuda.empty_cache()
+    # One config for all cases: the smallest worst-case ratio to each case's best.
+    names = set.intersection(*(set(r["configs_ms"]) for r in rows))
+    worst = {n: max(r["configs_ms"][n] / r["best_ms"] for r in rows) for n in names}
+    ranking = sorted(worst, key=worst.get)
+    write_result("kernel_configs", {"rows": rows, "failures": failures,
+                                    "worst_ratio_to_best_by_config": {n: worst[n] for n in ranking}})  # fmt: skip
+    print("best single configs (worst ratio to each case's best):", [(n, round(worst[n], 3)) for n in ranking[:8]])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
