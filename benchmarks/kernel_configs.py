@@ -1,11 +1,13 @@
 """Which tile configs and loop variants of the fused kernel are fastest on this GPU.
 
-Each candidate (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages; PREFETCH: the weight and
-state tiles requested before the matmul loop; PERSISTENT: that many programs per SM
-walking the tiles) runs alone (``linear_update.only_config``) on the dW + AdamW problem of
+Each candidate (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages; EPILOGUE_SPLIT: the rule run
+on the whole tile or on its column halves in turn) runs alone (``linear_update.only_config``) on the dW + AdamW problem of
 benchmarks/kernel.py, bf16 dY/X/W and states, beside cuBLAS's ``dY.t() @ X`` alone and
 cuBLAS + ``torch._fused_adamw_``. The kernel's candidate list (``_configs``) and
-default are chosen from results/kernel_configs.json.
+default are chosen from results/kernel_configs.json. An earlier run of this script
+(results/kernel_configs_prefetch_persistent.json) tried requesting the weight and state
+tiles before the matmul loop, and persistent programs walking the tiles: both were slower
+than the plain kernel in every case (5-50%), so the kernel has neither.
 
     PYTHONPATH=. python benchmarks/kernel_configs.py [--budget-s 300]
 """
@@ -26,10 +28,10 @@ from benchmarks.utils import write_result  # noqa: E402
 SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096)]
 TOKENS = [512, 1024, 4096, 16384]
 TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-    (128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-    (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 4, 3),
+    (128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+    (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 256, 64, 4, 3),
 ]  # fmt: skip
-VARIANTS = [(0, 0), (1, 0), (0, 1), (1, 1)]  # (PREFETCH, PERSISTENT)
+SPLITS = [1, 2]  # EPILOGUE_SPLIT: the rule on the whole tile, or on its two column halves in turn
 
 
 def _quick_ms(fn, sets: int) -> float:
@@ -44,10 +46,10 @@ def candidates():
     import triton
 
     for m, n, k, warps, stages in TILES:
-        for prefetch, persistent in VARIANTS:
-            name = f"{m}x{n}x{k}_w{warps}_s{stages}_p{prefetch}_r{persistent}"
-            yield name, triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "PREFETCH": prefetch,
-                                       "PERSISTENT": persistent}, num_warps=warps, num_stages=stages)  # fmt: skip
+        for split in SPLITS:
+            name = f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}"
+            yield name, triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split},
+                                      num_warps=warps, num_stages=stages)  # fmt: skip
 
 
 def main() -> int:

@@ -42,28 +42,32 @@ def _configs():
         # The interpreter runs every trial on the CPU: one small config (per state
         # format: 8-bit blocks need 64 columns) keeps tests fast.
         return [
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": 16, "GROUP_M": 2, "PREFETCH": 0, "PERSISTENT": 0},
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": 16, "GROUP_M": 2, "EPILOGUE_SPLIT": 1},
                           num_warps=1)  # fmt: skip
             for n in (16, storage.QUANT_BLOCK)
         ]
-    # Candidate tiles for Hopper: 128x128 for large weights, narrower tiles so that small
-    # weights still fill the 132 SMs, and 64-wide K steps to keep bf16 tiles in shared
-    # memory at 3-4 stages with the fp32 state tiles of the epilogue in registers.
-    shapes = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (128, 128, 32, 8, 4)]
+    # Candidate tiles for Hopper (benchmarks/kernel_configs.py): 128x128x64 with 8 warps and
+    # 4 stages was within 1.22x of the best config in every dW + AdamW case timed, and the
+    # fastest from T = 4096 up; 64x128x64 with 4 warps was fastest at T <= 1024 for the
+    # large weights. Each also with the rule run on the tile's column halves in turn,
+    # which halves the registers the epilogue holds.
+    shapes = [(128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)]
+    splits = [1, 2]
     if not config.autotune:
-        shapes = shapes[3:4]
+        shapes, splits = shapes[:1], splits[:1]
     return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "PREFETCH": 0, "PERSISTENT": 0},
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split},
                       num_warps=w, num_stages=s)  # fmt: skip
         for m, n, k, w, s in shapes
+        for split in splits
     ]
 
 
 def _configs_for_format(configs, named_args, **kwargs):
-    """8-bit states: tiles of whole 64-column blocks; plain states: every config (the
-    interpreter's smallest only)."""
+    """8-bit states: tiles (or column halves) of whole 64-column blocks; plain states:
+    every config (the interpreter's smallest only)."""
     if kwargs.get("QUANTIZED"):
-        return [c for c in configs if c.kwargs["BLOCK_N"] % storage.QUANT_BLOCK == 0]
+        return [c for c in configs if c.kwargs["BLOCK_N"] % (storage.QUANT_BLOCK * c.kwargs["EPILOGUE_SPLIT"]) == 0]
     return configs[:1] if _INTERPRETING else configs
 
 
@@ -95,53 +99,9 @@ def _fused_linear_update_kernel(
     O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, CLAMP_MIN: tl.constexpr, CLAMP_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PREFETCH: tl.constexpr, PERSISTENT: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
 ):  # fmt: skip
-    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    if PERSISTENT:
-        # PERSISTENT programs per SM walk the tiles; the pipeliner can then start the next
-        # tile's loads during this tile's epilogue.
-        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-            _update_tile(
-                tile, w_ptr, a_ptr, b_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, step_ptr, h0_ptr, h1_ptr,
-                h2_ptr, h3_ptr, h4_ptr, h5_ptr, h6_ptr, h7_ptr, M, N, K, grad_min, grad_max, rounding_seed,
-                first_row, stride_wm, stride_wn, stride_am, stride_ak, stride_bk, stride_bn, stride_s0m, stride_s0n,
-                stride_s1m, stride_s1n, stride_s2m, stride_s2n, stride_q0m, stride_q0n, stride_q1m, stride_q1n,
-                stride_q2m, stride_q2n, RULE_KEY, QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC,
-                QUANT_BLOCK, GRADIENT_GIVEN, COEFFICIENTS, ELEMENTWISE, HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3,
-                DOT_PRECISION, INDEX_64, CLAMP_MIN, CLAMP_MAX, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PREFETCH
-            )  # fmt: skip
-    else:
-        _update_tile(
-            tl.program_id(0), w_ptr, a_ptr, b_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, step_ptr, h0_ptr,
-            h1_ptr, h2_ptr, h3_ptr, h4_ptr, h5_ptr, h6_ptr, h7_ptr, M, N, K, grad_min, grad_max, rounding_seed,
-            first_row, stride_wm, stride_wn, stride_am, stride_ak, stride_bk, stride_bn, stride_s0m, stride_s0n,
-            stride_s1m, stride_s1n, stride_s2m, stride_s2n, stride_q0m, stride_q0n, stride_q1m, stride_q1n,
-            stride_q2m, stride_q2n, RULE_KEY, QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK,
-            GRADIENT_GIVEN, COEFFICIENTS, ELEMENTWISE, HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, DOT_PRECISION,
-            INDEX_64, CLAMP_MIN, CLAMP_MAX, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PREFETCH
-        )  # fmt: skip
-
-
-@triton.jit
-def _update_tile(
-    pid,
-    w_ptr, a_ptr, b_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
-    step_ptr, h0_ptr, h1_ptr, h2_ptr, h3_ptr, h4_ptr, h5_ptr, h6_ptr, h7_ptr,
-    M, N, K, grad_min, grad_max, rounding_seed, first_row,
-    stride_wm, stride_wn, stride_am, stride_ak, stride_bk, stride_bn,
-    stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-    stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
-    RULE_KEY: tl.constexpr,
-    QUANTIZED: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
-    ROUND_STOCHASTIC: tl.constexpr, QUANT_BLOCK: tl.constexpr, GRADIENT_GIVEN: tl.constexpr,
-    COEFFICIENTS: tl.constexpr, ELEMENTWISE: tl.constexpr,
-    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
-    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, CLAMP_MIN: tl.constexpr, CLAMP_MAX: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):  # fmt: skip
+    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
@@ -160,17 +120,6 @@ def _update_tile(
         rk = rk.to(tl.int64)
     mask_m = rm < M
     mask_n = rn < N
-
-    mask = mask_m[:, None] & mask_n[None, :]
-    w_ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :] * stride_wn
-    s0_ptrs = s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n
-    s1_ptrs = s1_ptr + rm[:, None] * stride_s1m + rn[None, :] * stride_s1n
-    s2_ptrs = s2_ptr + rm[:, None] * stride_s2m + rn[None, :] * stride_s2n
-    if PREFETCH:
-        # The weight and state tiles are requested before the matmul loop, in their stored
-        # dtypes, so that their memory latency overlaps the loop instead of following it.
-        w_stored, s0_stored, s1_stored, s2_stored = _load_tiles(
-            w_ptrs, s0_ptrs, s1_ptrs, s2_ptrs, mask, HAS_S0, HAS_S1, HAS_S2)  # fmt: skip
 
     if GRADIENT_GIVEN:
         # The chunked path: ``a`` is an fp32 gradient block [M, N] that cuBLAS just wrote.
@@ -201,57 +150,110 @@ def _update_tile(
         tl.load(h3_ptr).to(tl.float64), tl.load(h4_ptr).to(tl.float64), tl.load(h5_ptr).to(tl.float64),
         tl.load(h6_ptr).to(tl.float64), tl.load(h7_ptr).to(tl.float64),
     )  # fmt: skip
+    coefficients = (c0.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32), c3.to(tl.float32),
+                    c4.to(tl.float32), c5.to(tl.float32), c6.to(tl.float32), c7.to(tl.float32),
+                    c8.to(tl.float32), c9.to(tl.float32))  # fmt: skip
+    step = tl.load(step_ptr)
 
-    if not PREFETCH:
-        w_stored, s0_stored, s1_stored, s2_stored = _load_tiles(
-            w_ptrs, s0_ptrs, s1_ptrs, s2_ptrs, mask, HAS_S0, HAS_S1, HAS_S2)  # fmt: skip
-    w = w_stored.to(tl.float32)
-    s0 = s0_stored.to(tl.float32)
-    s1 = s1_stored.to(tl.float32)
-    s2 = s2_stored.to(tl.float32)
-    if QUANTIZED:
-        # 8-bit states: a tile holds whole 64-column blocks, so this program owns their scales.
-        blocks_per_tile: tl.constexpr = BLOCK_N // QUANT_BLOCK
-        rq = pid_n * blocks_per_tile + tl.arange(0, blocks_per_tile)
+    # The rule runs on EPILOGUE_SPLIT column slices of the tile in turn: the weight, state
+    # and temporary tiles of one slice are live at a time, not of the whole tile.
+    if EPILOGUE_SPLIT == 1:
+        _update_columns(
+            acc, rm, rn, pid_n * BLOCK_N, mask_m, N, first_row, rounding_seed, step, coefficients,
+            w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
+            stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
+            stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
+            QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
+            HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+    else:
+        HALF: tl.constexpr = BLOCK_N // 2
+        left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        rn_left = pid_n * BLOCK_N + tl.arange(0, HALF)
         if INDEX_64:
-            rq = rq.to(tl.int64)
+            rn_left = rn_left.to(tl.int64)
+        _update_columns(
+            left, rm, rn_left, pid_n * BLOCK_N, mask_m, N, first_row, rounding_seed, step, coefficients,
+            w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
+            stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
+            stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
+            QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
+            HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, BLOCK_M, HALF,
+        )  # fmt: skip
+        _update_columns(
+            right, rm, rn_left + HALF, pid_n * BLOCK_N + HALF, mask_m, N, first_row, rounding_seed, step,
+            coefficients,
+            w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
+            stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
+            stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
+            QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
+            HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, BLOCK_M, HALF,
+        )  # fmt: skip
+
+
+@triton.jit
+def _update_columns(
+    acc, rm, rn, column0, mask_m, N, first_row, rounding_seed, step, coefficients,
+    w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
+    stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
+    stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
+    QUANTIZED: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
+    ROUND_STOCHASTIC: tl.constexpr, QUANT_BLOCK: tl.constexpr, ELEMENTWISE: tl.constexpr,
+    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
+    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr,
+    ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+):  # fmt: skip
+    """The rule on the gradient ``acc`` of the weight's rows ``rm`` and columns ``rn``
+    (``column0`` onwards, a whole number of 8-bit blocks when ``QUANTIZED``): load the
+    weight and states, update, store."""
+    mask = mask_m[:, None] & (rn < N)[None, :]
+    w_ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :] * stride_wn
+    s0_ptrs = s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n
+    s1_ptrs = s1_ptr + rm[:, None] * stride_s1m + rn[None, :] * stride_s1n
+    s2_ptrs = s2_ptr + rm[:, None] * stride_s2m + rn[None, :] * stride_s2n
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    s0 = w
+    s1 = w
+    s2 = w
+    if HAS_S0:
+        s0 = tl.load(s0_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_S1:
+        s1 = tl.load(s1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_S2:
+        s2 = tl.load(s2_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if QUANTIZED:
+        # 8-bit states: the columns are whole 64-column blocks, so this program owns their scales.
+        blocks: tl.constexpr = COLUMNS // QUANT_BLOCK
+        rq = column0 // QUANT_BLOCK + tl.arange(0, blocks)
         q_mask = mask_m[:, None] & (rq[None, :] < tl.cdiv(N, QUANT_BLOCK))
         q0_ptrs = q0_ptr + rm[:, None] * stride_q0m + rq[None, :] * stride_q0n
         q1_ptrs = q1_ptr + rm[:, None] * stride_q1m + rq[None, :] * stride_q1n
         q2_ptrs = q2_ptr + rm[:, None] * stride_q2m + rq[None, :] * stride_q2n
         if HAS_S0:
-            s0 = dequantize_blocks(s0, tl.load(q0_ptrs, mask=q_mask, other=0.0), BLOCK_M, BLOCK_N,
-                                   QUANT_BLOCK, SIGNED0)
+            s0 = dequantize_blocks(s0, tl.load(q0_ptrs, mask=q_mask, other=0.0), ROWS, COLUMNS, QUANT_BLOCK, SIGNED0)
         if HAS_S1:
-            s1 = dequantize_blocks(s1, tl.load(q1_ptrs, mask=q_mask, other=0.0), BLOCK_M, BLOCK_N,
-                                   QUANT_BLOCK, SIGNED1)
+            s1 = dequantize_blocks(s1, tl.load(q1_ptrs, mask=q_mask, other=0.0), ROWS, COLUMNS, QUANT_BLOCK, SIGNED1)
         if HAS_S2:
-            s2 = dequantize_blocks(s2, tl.load(q2_ptrs, mask=q_mask, other=0.0), BLOCK_M, BLOCK_N,
-                                   QUANT_BLOCK, SIGNED2)
+            s2 = dequantize_blocks(s2, tl.load(q2_ptrs, mask=q_mask, other=0.0), ROWS, COLUMNS, QUANT_BLOCK, SIGNED2)
 
-    w, s0, s1, s2 = ELEMENTWISE(
-        w, acc, s0, s1, s2,
-        c0.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32), c3.to(tl.float32),
-        c4.to(tl.float32), c5.to(tl.float32), c6.to(tl.float32), c7.to(tl.float32),
-        c8.to(tl.float32), c9.to(tl.float32),
-        O0, O1, O2, O3,
-    )  # fmt: skip
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9 = coefficients
+    w, s0, s1, s2 = ELEMENTWISE(w, acc, s0, s1, s2, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, O0, O1, O2, O3)
 
     if ROUND_STOCHASTIC:
         element_index = (rm[:, None] + first_row) * N + rn[None, :]
-        w = round_bfloat16_stochastically(w, element_index, rounding_key(rounding_seed, tl.load(step_ptr)))
+        w = round_bfloat16_stochastically(w, element_index, rounding_key(rounding_seed, step))
     tl.store(w_ptrs, w.to(w_ptr.dtype.element_ty), mask=mask)
     if QUANTIZED:
         # Columns past N are zero in the rule's output only if the state was: mask them out
         # of the block maxima.
         if HAS_S0:
-            s0, scale0 = quantize_blocks(tl.where(mask, s0, 0.0), BLOCK_M, BLOCK_N, QUANT_BLOCK, SIGNED0)
+            s0, scale0 = quantize_blocks(tl.where(mask, s0, 0.0), ROWS, COLUMNS, QUANT_BLOCK, SIGNED0)
             tl.store(q0_ptrs, scale0, mask=q_mask)
         if HAS_S1:
-            s1, scale1 = quantize_blocks(tl.where(mask, s1, 0.0), BLOCK_M, BLOCK_N, QUANT_BLOCK, SIGNED1)
+            s1, scale1 = quantize_blocks(tl.where(mask, s1, 0.0), ROWS, COLUMNS, QUANT_BLOCK, SIGNED1)
             tl.store(q1_ptrs, scale1, mask=q_mask)
         if HAS_S2:
-            s2, scale2 = quantize_blocks(tl.where(mask, s2, 0.0), BLOCK_M, BLOCK_N, QUANT_BLOCK, SIGNED2)
+            s2, scale2 = quantize_blocks(tl.where(mask, s2, 0.0), ROWS, COLUMNS, QUANT_BLOCK, SIGNED2)
             tl.store(q2_ptrs, scale2, mask=q_mask)
     if HAS_S0:
         tl.store(s0_ptrs, s0.to(s0_ptr.dtype.element_ty), mask=mask)
@@ -259,24 +261,6 @@ def _update_tile(
         tl.store(s1_ptrs, s1.to(s1_ptr.dtype.element_ty), mask=mask)
     if HAS_S2:
         tl.store(s2_ptrs, s2.to(s2_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _load_tiles(w_ptrs, s0_ptrs, s1_ptrs, s2_ptrs, mask, HAS_S0: tl.constexpr, HAS_S1: tl.constexpr,
-                HAS_S2: tl.constexpr):  # fmt: skip
-    """The weight tile and the rule's state tiles as stored; an absent state is the weight
-    tile again, never read."""
-    w = tl.load(w_ptrs, mask=mask, other=0.0)
-    s0 = w
-    s1 = w
-    s2 = w
-    if HAS_S0:
-        s0 = tl.load(s0_ptrs, mask=mask, other=0.0)
-    if HAS_S1:
-        s1 = tl.load(s1_ptrs, mask=mask, other=0.0)
-    if HAS_S2:
-        s2 = tl.load(s2_ptrs, mask=mask, other=0.0)
-    return w, s0, s1, s2
 
 
 @contextlib.contextmanager
@@ -296,10 +280,6 @@ def only_config(kernel_config: triton.Config):
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _max_offset(t: torch.Tensor) -> int:
@@ -410,11 +390,7 @@ def _launch(rule, weight, a, b, *, states, step, hyperparameters, options, grad_
     index_64 = max(_max_offset(t) for t in distinct) >= 2**31 - 1
     index_64 = index_64 or (first_row + M) * N >= 2**31 - 1  # the element index of stochastic rounding
 
-    def grid(meta):
-        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-        if meta["PERSISTENT"]:
-            return (min(tiles, meta["PERSISTENT"] * _multiprocessors(weight.device)),)
-        return (tiles,)
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
 
     with torch.cuda.device(weight.device) if weight.is_cuda else contextlib.nullcontext():
         _fused_linear_update_kernel[grid](

@@ -113,11 +113,10 @@ def test_kernel_rejects_mismatched_shapes():
                             [w.clone(), w.clone()], torch.tensor(1.0, device=DEVICE), hyper, (1, 0, 0, 0))  # fmt: skip
 
 
-@pytest.mark.parametrize("prefetch,persistent", [(1, 0), (0, 1), (1, 2)], ids=["prefetch", "persistent", "both"])
-def test_kernel_variants_match_float64_reference(prefetch, persistent):
-    """The tile loop's variants (weight/state tiles loaded before the matmul loop; programs
-    that walk several tiles) compute what the plain kernel computes: more tiles than
-    programs, and edge tiles, on both axes."""
+@pytest.mark.parametrize("split", [1, 2], ids=["whole-tile", "split-epilogue"])
+def test_tile_configs_match_float64_reference(split):
+    """An explicit tile config, with the rule on the whole tile or on its two column halves
+    in turn, computes Adam: several tiles and edge tiles on both axes."""
     import triton
 
     from forge_compile.kernels import linear_update
@@ -131,10 +130,10 @@ def test_kernel_variants_match_float64_reference(prefetch, persistent):
     hyper = [torch.tensor(h, dtype=torch.float64, device=DEVICE) for h in (lr, beta1, beta2, eps, wd)]
     ref_w, ref_m, ref_v, _ = _reference(w, m, v, v, grad_output_t.double() @ x.double(), step, lr, beta1, beta2, eps,
                                         wd, (1, 0, 0, 1))  # fmt: skip
-    variant = triton.Config({"BLOCK_M": block, "BLOCK_N": block, "BLOCK_K": 16, "GROUP_M": 2, "PREFETCH": prefetch,
-                             "PERSISTENT": persistent}, num_warps=4 if ON_GPU else 1)  # fmt: skip
+    tile = triton.Config({"BLOCK_M": block, "BLOCK_N": block, "BLOCK_K": 16, "GROUP_M": 2, "EPILOGUE_SPLIT": split},
+                         num_warps=4 if ON_GPU else 1)  # fmt: skip
     states = [m.clone(), v.clone()]
-    with linear_update.only_config(variant):
+    with linear_update.only_config(tile):
         fused_linear_update(rules.get("adam"), w, grad_output_t, x, states, torch.tensor(step, device=DEVICE), hyper,
                             (1, 0, 0, 1))  # fmt: skip
     torch.testing.assert_close(w.double(), ref_w, atol=2e-6, rtol=0)

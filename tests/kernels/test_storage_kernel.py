@@ -8,6 +8,8 @@ the torch path must also agree to the bit. bf16 operands run on the GPU only (th
 interpreter's bf16 tl.dot is wrong).
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -78,15 +80,29 @@ def _reference(weight, grad_output_t, input, states, options, signed):
     return out[0], list(out[1 : 1 + n])
 
 
+def _split_epilogue_tiles():
+    """A tile of two 64-column halves, each updated in turn (``EPILOGUE_SPLIT=2``)."""
+    import triton
+
+    from forge_compile.kernels import linear_update
+
+    rows = 64 if ON_GPU else 16
+    return linear_update.only_config(triton.Config(
+        {"BLOCK_M": rows, "BLOCK_N": 128, "BLOCK_K": 16, "GROUP_M": 2, "EPILOGUE_SPLIT": 2},
+        num_warps=4 if ON_GPU else 1))  # fmt: skip
+
+
 @pytest.mark.parametrize("operand_dtype", OPERANDS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("options", OPTIONS)
-def test_bf16_weights_and_int8_states_against_float64(operand_dtype, shape, options):
+@pytest.mark.parametrize("tiles", ["tuned", "split-epilogue"])
+def test_bf16_weights_and_int8_states_against_float64(operand_dtype, shape, options, tiles):
     n_states = 3 if options[1] else 2
     (weight, grad_output_t, input), states, signed = _problem(shape, operand_dtype, torch.bfloat16, n_states)
     ref_weight, ref_states = _reference(weight.cpu(), grad_output_t.cpu(), input.cpu(),
                                         [s.cpu() for s in states], options, signed)  # fmt: skip
-    _run("triton", weight, grad_output_t, input, states, options, seed=1234)
+    with _split_epilogue_tiles() if tiles == "split-epilogue" else contextlib.nullcontext():
+        _run("triton", weight, grad_output_t, input, states, options, seed=1234)
     # The weight: a bf16 neighbour of the float64 result (fp32 math adds a few fp32 ULPs).
     w = weight.cpu().double()
     ulp = torch.finfo(torch.bfloat16).eps * ref_weight.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
