@@ -168,6 +168,7 @@ def main() -> int:
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "MODE", "BATCH", "SEQ"), help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=560, help="seconds per case")
     parser.add_argument("--device", default="cuda", help="cpu runs the tiny-llama smoke test")
+    parser.add_argument("--redo", action="store_true", help="measure cases already in results/step.json again")
     args = parser.parse_args()
     if args.worker:
         name, mode, batch, seq = args.worker
@@ -175,9 +176,12 @@ def main() -> int:
         return 0
     path = RESULTS / "step.json"
     previous = json.loads(path.read_text()) if path.exists() else {"cases": []}
-    done = {(c["model"], c["mode"], c["batch"], c["seq"]) for c in previous["cases"]}
     cases = [(m, mode, int(b), args.seq) for m in args.models.split(",") for b in args.batches.split(",")
              for mode in args.modes.split(",")]  # fmt: skip
+    key = lambda c: (c["model"], c["mode"], c["batch"], c["seq"])  # noqa: E731
+    if args.redo:  # the new measurement replaces the old one
+        previous["cases"] = [c for c in previous["cases"] if key(c) not in set(cases)]
+    done = {key(c) for c in previous["cases"]}
     try:
         from tqdm import tqdm
     except ImportError:  # the progress bar is optional

@@ -46,13 +46,13 @@ def _configs():
                           num_warps=1)  # fmt: skip
             for n in (16, storage.QUANT_BLOCK)
         ]
-    # Candidate tiles for Hopper (benchmarks/kernel_configs.py): 128x128x64 with 8 warps and
-    # 4 stages was within 1.22x of the best config in every dW + AdamW case timed, and the
-    # fastest from T = 4096 up; 64x128x64 with 4 warps was fastest at T <= 1024 for the
-    # large weights. Each also with the rule run on the tile's column halves in turn,
-    # which halves the registers the epilogue holds.
-    shapes = [(128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)]
-    splits = [1, 2]
+    # Candidate tiles for Hopper (benchmarks/kernel_configs.py, results/kernel_configs.json):
+    # with the rule on the tile's column halves in turn (EPILOGUE_SPLIT=2, half the
+    # epilogue's registers), 128x128x64 with 8 warps was fastest from T = 4096 up, 64x128x64
+    # with 4 warps at T <= 1024 for the large weights, and 128x128x64 in 3 stages was within
+    # 1.34x of the best everywhere: the untuned default. 128x256 and 256x128 tiles never won.
+    shapes = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4)]
+    splits = [2, 1]
     if not config.autotune:
         shapes, splits = shapes[:1], splits[:1]
     return [
