@@ -159,6 +159,31 @@ def worker(model_name: str, mode: str, batch: int, seq: int, device: str = "cuda
     return result
 
 
+def plot(cases: list[dict], path: Path) -> None:
+    """Step time and peak memory against micro-batch, one line per mode, a panel pair per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [c for c in cases if c.get("status") == "ok"]
+    models = sorted({(c["model"], c["seq"]) for c in ok})
+    fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.6 * len(models)), squeeze=False)
+    for (model, seq), (time_ax, memory_ax) in zip(models, axes):
+        for mode in MODES:
+            points = sorted((c["batch"], c["step_ms_median"], c["peak_bytes"] / 2**30) for c in ok
+                            if (c["model"], c["seq"], c["mode"]) == (model, seq, mode))  # fmt: skip
+            if points:
+                batches, times, peaks = zip(*points)
+                time_ax.plot(batches, times, "o-", label=mode)
+                memory_ax.plot(batches, peaks, "o-", label=mode)
+        time_ax.set(title=f"{model}, seq {seq}: step time", xlabel="micro-batch", ylabel="ms", xscale="log", xticks=[1, 2, 4, 8])
+        memory_ax.set(title=f"{model}, seq {seq}: peak memory", xlabel="micro-batch", ylabel="GiB", xscale="log", xticks=[1, 2, 4, 8])
+        time_ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b,llama-8b")
@@ -169,6 +194,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=560, help="seconds per case")
     parser.add_argument("--device", default="cuda", help="cpu runs the tiny-llama smoke test")
     parser.add_argument("--redo", action="store_true", help="measure cases already in results/step.json again")
+    parser.add_argument("--plot", action="store_true", help="only redraw results/step.png from results/step.json")
     args = parser.parse_args()
     if args.worker:
         name, mode, batch, seq = args.worker
@@ -176,6 +202,9 @@ def main() -> int:
         return 0
     path = RESULTS / "step.json"
     previous = json.loads(path.read_text()) if path.exists() else {"cases": []}
+    if args.plot:
+        plot(previous["cases"], RESULTS / "step.png")
+        return 0
     cases = [(m, mode, int(b), args.seq) for m in args.models.split(",") for b in args.batches.split(",")
              for mode in args.modes.split(",")]  # fmt: skip
     key = lambda c: (c["model"], c["mode"], c["batch"], c["seq"])  # noqa: E731
@@ -197,6 +226,7 @@ def main() -> int:
             (folder / "step.json").write_text(json.dumps(previous, indent=1))
         print(json.dumps({k: result.get(k) for k in ("model", "mode", "batch", "status", "step_ms_median",
                                                       "peak_bytes", "first_step_s")}))  # fmt: skip
+    plot(previous["cases"], RESULTS / "step.png")
     return 0
 
 

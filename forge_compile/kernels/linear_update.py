@@ -37,6 +37,11 @@ from ..rules.storage import (
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+GPU_TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4)]
+"""(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the GPU's candidates; see _configs."""
+EPILOGUE_SPLITS = [2, 1]
+
+
 def _configs():
     if _INTERPRETING:
         # The interpreter runs every trial on the CPU: one small config (per state
@@ -51,8 +56,7 @@ def _configs():
     # epilogue's registers), 128x128x64 with 8 warps was fastest from T = 4096 up, 64x128x64
     # with 4 warps at T <= 1024 for the large weights, and 128x128x64 in 3 stages was within
     # 1.34x of the best everywhere: the untuned default. 128x256 and 256x128 tiles never won.
-    shapes = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4)]
-    splits = [2, 1]
+    shapes, splits = GPU_TILES, EPILOGUE_SPLITS
     if not config.autotune:
         shapes, splits = shapes[:1], splits[:1]
     return [

@@ -317,3 +317,38 @@ def test_int8_states_of_an_unfused_embedding_compile_to_the_same_step():
     for key in ("exp_avg", "exp_avg_sq"):
         assert (s_compiled[key].int() - s_eager[key].int()).abs().max() <= 1
         torch.testing.assert_close(s_compiled[key + "_absmax"], s_eager[key + "_absmax"], rtol=1e-5, atol=0)
+
+
+def test_bf16_llama_with_nearest_rounding_tracks_torch_and_stochastic_rounding_moves_more_weights():
+    """The whole-step benchmark's setting in small (benchmarks/step.py: HF Llama, bf16
+    weights and AdamW states, lr 1e-5): most updates are below half a bf16 step. forge
+    with round-to-nearest follows torch's bf16 AdamW (the same losses, the same weights
+    left unchanged); forge's default, stochastic rounding, moves several times as many
+    weights, so its losses fall faster and the benchmark's losses differ."""
+    import copy
+
+    from benchmarks.step import build
+    from benchmarks.utils import causal_lm_train_step
+
+    model0, config = build("tiny-llama", torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, config.vocab_size, (2, 32), generator=generator) for _ in range(2)]
+    hyper = dict(lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def train(kind):
+        torch._dynamo.reset()
+        model = copy.deepcopy(model0)
+        if kind == "torch":
+            step = causal_lm_train_step(model, torch.optim.AdamW(model.parameters(), **hyper))
+        else:
+            optimizer = forge_compile.optim.AdamW(model.parameters(), **hyper, stochastic_rounding=kind == "stochastic")
+            step = torch.compile(causal_lm_train_step(model, optimizer), backend="forge")
+        losses = [float(step(batches[i % 2])) for i in range(6)]
+        moved = sum((p != p0).sum().item() for p, p0 in zip(model.parameters(), model0.parameters()))
+        return losses, moved
+
+    (torch_losses, torch_moved), (nearest_losses, nearest_moved), (_, stochastic_moved) = map(
+        train, ("torch", "nearest", "stochastic"))  # fmt: skip
+    assert max(abs(a - b) for a, b in zip(torch_losses, nearest_losses)) < 2e-3, (torch_losses, nearest_losses)
+    assert abs(nearest_moved - torch_moved) <= 0.01 * torch_moved, (nearest_moved, torch_moved)
+    assert stochastic_moved > 2 * torch_moved, (stochastic_moved, torch_moved)
