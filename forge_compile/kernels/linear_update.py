@@ -319,9 +319,10 @@ def fused_linear_update(
     Runs the fused kernel, or the chunked path (cuBLAS writes the fp32 gradient of a
     block of rows, the same kernel consumes it), as ``config.linear_update_path`` says;
     "auto" measures both on the first call for a shape (see :func:`_chosen_path`). On
-    the H200 the chunked path is within 1-4% of cuBLAS + fused AdamW at T = 16384 and the
-    fused kernel 1.3-1.5x slower there; below T = 4096 the fused kernel is the faster of
-    the two (benchmarks/results/kernel_paths_partial.json).
+    the H200 the chunked path is within 1-4% of cuBLAS + fused AdamW at T = 16384
+    (benchmarks/results/kernel_paths_partial.json) and the fused kernel 1.1-1.25x slower
+    there (results/kernel_configs.json); below T = 4096 the fused kernel is the faster of
+    the two.
 
     Example::
 
