@@ -37,6 +37,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import dump, explain, ops  # noqa: F401  (ops registers torch.ops.forge.*)
 from .config import config
+from . import dtensor
 from .passes.fuse_linear_update import decompose_update, fuse_linear_updates
 
 log = logging.getLogger(__name__)
@@ -230,7 +231,8 @@ def _input_names(gm: torch.fx.GraphModule) -> list[str]:
         source = getattr(node.meta.get("grapharg"), "source", None)
         text = getattr(source, "name", None)
         text = text() if callable(text) else text
-        names.append(_readable(text) if text else node.name)
+        # A DTensor reaches the post-grad graph as its inner tensors: one name each.
+        names += dtensor.leaf_names(_readable(text) if text else node.name, node.meta.get("example_value"))
     return names
 
 

@@ -23,6 +23,7 @@ SUMMED_GRADIENT = "summed_gradient"
 ACCUMULATED = "accumulated"
 GRADIENT_READ_ELSEWHERE = "gradient_read_elsewhere"
 GRADIENT_FROM_OUTSIDE = "gradient_from_outside"
+REDUCED_ACROSS_RANKS = "reduced_across_ranks"
 UPDATED_VALUE_READ = "updated_value_read"
 NOT_AN_INPUT = "not_an_input"
 UNSUPPORTED_DTYPE = "unsupported_dtype"
@@ -214,7 +215,10 @@ def _notes(records: list[GraphRecord], fn: Callable, args, kwargs) -> list[str]:
     notes = []
     breaks = " ".join(r.break_reason or "" for r in records)
     has_updates = any(r.decisions for r in records)
-    if "consumed returned tensor's grad_fn" in breaks or "consumed grad_fns" in breaks:
+    data_parallel = _data_parallel_note(fn, args, kwargs)
+    if data_parallel:
+        notes.append(data_parallel)
+    elif "consumed returned tensor's grad_fn" in breaks or "consumed grad_fns" in breaks:
         notes.append(
             "loss returned without .detach(): Dynamo ran the backward outside the graph, so every gradient "
             "was materialized; return loss.detach()"
@@ -246,10 +250,8 @@ def _notes(records: list[GraphRecord], fn: Callable, args, kwargs) -> list[str]:
     return notes
 
 
-def _optimizers_reachable_from(fn: Callable, args, kwargs) -> list[Any]:
-    """torch.optim optimizers among fn's globals, closure and arguments."""
-    import torch
-
+def _reachable_from(fn: Callable, args, kwargs, cls: type) -> list[Any]:
+    """Instances of ``cls`` among fn's globals, closure and arguments."""
     candidates = list(args) + list(kwargs.values())
     code = getattr(fn, "__code__", None)
     if code is not None:
@@ -258,10 +260,42 @@ def _optimizers_reachable_from(fn: Callable, args, kwargs) -> list[Any]:
         candidates += [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _has_contents(c)]
     seen, found = set(), []
     for c in candidates:
-        if isinstance(c, torch.optim.Optimizer) and id(c) not in seen:
+        if isinstance(c, cls) and id(c) not in seen:
             seen.add(id(c))
             found.append(c)
     return found
+
+
+def _optimizers_reachable_from(fn: Callable, args, kwargs) -> list[Any]:
+    import torch
+
+    return _reachable_from(fn, args, kwargs, torch.optim.Optimizer)
+
+
+def _data_parallel_note(fn: Callable, args, kwargs) -> str | None:
+    """DDP and FSDP2 reduce each gradient across ranks in backward hooks, before the
+    optimizer sees it: why their weights cannot fuse, with their names."""
+    import torch
+
+    kinds = [(torch.nn.parallel.DistributedDataParallel, "DistributedDataParallel all-reduces")]
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        kinds.append((FSDPModule, "FSDP (fully_shard) reduce-scatters"))
+    except ImportError:  # a torch without FSDP2
+        pass
+    for cls, verb in kinds:
+        wrappers = _reachable_from(fn, args, kwargs, cls)
+        if not wrappers:
+            continue
+        names = [name for module in wrappers for name, p in module.named_parameters() if p.requires_grad and p.dim() >= 2]
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        return (
+            f"{verb} every gradient across ranks in its backward hooks, before the optimizer sees it "
+            f"({REDUCED_ACROSS_RANKS}): the updates of its weights ({shown}) cannot fuse and run on the reduced "
+            "gradients, as torch's would"
+        )
+    return None
 
 
 def _has_contents(cell) -> bool:

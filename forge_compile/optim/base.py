@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .. import ops  # also registers torch.ops.forge.*
+from .. import dtensor, ops  # ops also registers torch.ops.forge.*
 from .. import rules
 
 
@@ -247,6 +247,8 @@ class ForgeOptimizer:
             self.param_groups[index] = wrapped
             view.refresh(wrapped)
             views.append(view)
+            if any(dtensor.is_dtensor(p) for p in view.params):
+                dtensor.install_shard_order_fix()
         self._forge_groups = views
         # The wrapper's one job, flagging that step() ran so that a scheduler stepped first
         # can warn: inside compiled code Dynamo drops attribute writes on an optimizer, so
@@ -407,10 +409,11 @@ class ForgeOptimizer:
                 if view.rounding_seeds[i] is not None:
                     storage["rounding_seed"] = view.rounding_seeds[i]
                 hyperparameters = self._forge_step_hyperparameters(view, i)
+                param, grad, states = dtensor.local_shards(p, p.grad, states)
                 new = torch.ops.forge.optimizer_update(
-                    p, p.grad, states, state["step"], hyperparameters, rule_name, options, **storage
+                    param, grad, states, state["step"], hyperparameters, rule_name, options, **storage
                 )
-                p.copy_(new[0])
+                param.copy_(new[0])
                 for old, value in zip(states, new[1:]):
                     old.copy_(value)
 

@@ -315,6 +315,9 @@ def _shared_or_accumulated(add: Node) -> Rejection:
     )
 
 
+# Functional collectives (DTensor, compiled DDP/FSDP): a gradient they produce was reduced
+# across ranks, so no rank's matmul alone computes it.
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d")
 _OP_HINTS = {
     "embedding_dense_backward": "an embedding's gradient (a scatter of rows), not a matmul",
     "_unsafe_masked_index_put_accumulate": "an embedding's gradient (a scatter of rows), not a matmul",
@@ -352,6 +355,12 @@ def _transformed_gradient(node: Node) -> Rejection:
                 "before any update",
             )
     name = _op_name(producer)
+    if getattr(producer.target, "namespace", None) in _COLLECTIVE_NAMESPACES:
+        return Rejection(
+            explain.REDUCED_ACROSS_RANKS,
+            f"gradient reduced across ranks ({name}) before the update: data parallelism, or a parameter "
+            "replicated over a tensor/sequence-parallel mesh; the update runs on the reduced gradient",
+        )
     return Rejection(explain.NOT_A_MATMUL, _OP_HINTS.get(name, f"gradient computed by aten.{name}, not by a single matmul"))
 
 
