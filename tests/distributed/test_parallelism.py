@@ -15,7 +15,6 @@ whole batch, and must end at the same weights. Each rank runs in its own process
 import json
 import os
 import socket
-import sys
 
 import pytest
 import torch
@@ -84,7 +83,7 @@ def _prepare(kind: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     model = _model()
     x = _batch()
     if kind == "tensor_parallel":
@@ -106,14 +105,22 @@ def _prepare(kind: str):
         x = distribute_tensor(x, mesh, [Replicate()]).redistribute(mesh, [Shard(1)])  # sequence-sharded
     elif kind == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
-        x = x.chunk(WORLD)[rank]
+        x = x.chunk(world)[rank]
+    elif kind == "tensor_parallel_inside_fsdp":
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("data", "tensor"))
+        parallelize_module(model, mesh["tensor"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["data"])
+        x = x.chunk(world // 2)[mesh.get_coordinate()[0]]
     elif kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
         for layer in (model.gate, model.up, model.down):
             fully_shard(layer)
         fully_shard(model)
-        x = x.chunk(WORLD)[rank]
+        x = x.chunk(world)[rank]
     optimizer = forge_compile.optim.AdamW(model.parameters(), lr=LR)
     return model, optimizer, x
 
@@ -135,9 +142,9 @@ def _partial_gradient_reduced() -> bool:
     return torch.equal(local_grad, torch.full((3,), float(sum(range(1, WORLD + 1)))))
 
 
-def _worker(rank: int, kind: str, port: int, out_dir: str) -> None:
+def _worker(rank: int, kind: str, port: int, out_dir: str, world: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         import forge_compile
 
@@ -169,10 +176,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(kind: str, tmp_path) -> list[dict]:
+def _run(kind: str, tmp_path, world: int = WORLD) -> list[dict]:
     # The ranks import this file by its module name; spawn passes sys.path on.
-    mp.spawn(_worker, args=(kind, _free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    mp.spawn(_worker, args=(kind, _free_port(), str(tmp_path), world), nprocs=world, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def _assert_weights_match_reference(results: list[dict]) -> None:
@@ -203,5 +210,13 @@ def test_data_parallel_gradients_stay_unfused_and_match_one_process(kind, wrappe
     _assert_weights_match_reference(results)
 
 
-if __name__ == "__main__":  # a spawned rank re-imports this file; nothing runs at import
-    sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_tensor_parallel_inside_fsdp_fuses_nothing_fsdp_reduces(tmp_path):
+    """A 2-D mesh, 2 x 2 ranks: TP inside, FSDP across. FSDP reduce-scatters every gradient
+    across the data dimension in its hooks, so no update fuses; the step is still exact."""
+    results = _run("tensor_parallel_inside_fsdp", tmp_path, world=4)
+    for result in results:
+        assert result["fused"] == [], result
+        assert any(n.startswith("FSDP (fully_shard)") for n in result["notes"]), result["notes"]
+    _assert_weights_match_reference(results)
