@@ -31,7 +31,7 @@ TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
     (128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
     (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 256, 64, 4, 3),
 ]  # fmt: skip
-SPLITS = [1, 2]  # EPILOGUE_SPLIT: the rule on the whole tile, or on its two column halves in turn
+SPLITS = [1, 2]  # EPILOGUE_SPLIT: the rule on the whole tile, or on its column halves in turn
 
 
 def _quick_ms(fn, sets: int) -> float:
@@ -42,19 +42,38 @@ def _quick_ms(fn, sets: int) -> float:
     return triton.testing.do_bench(lambda: fn(next(counter) % sets), warmup=10, rep=50, return_mode="median")
 
 
-def candidates():
+def _config(name: str):
+    """``128x128x64_w8_s3_e2`` -> the triton.Config it names."""
     import triton
 
-    for m, n, k, warps, stages in TILES:
-        for split in SPLITS:
-            name = f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}"
-            yield name, triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split},
-                                      num_warps=warps, num_stages=stages)  # fmt: skip
+    tile, warps, stages, split = name.split("_")
+    m, n, k = map(int, tile.split("x"))
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": int(split[1:])},
+                         num_warps=int(warps[1:]), num_stages=int(stages[1:]))  # fmt: skip
+
+
+def candidates(spec: str | None):
+    """The named configs; "kernel" stands for the kernel's own autotuning candidates;
+    none given: the search grid TILES x SPLITS."""
+    if spec is None:
+        names = [f"{m}x{n}x{k}_w{w}_s{s}_e{e}" for m, n, k, w, s in TILES for e in SPLITS]
+    else:
+        from forge_compile.kernels.linear_update import EPILOGUE_SPLITS, GPU_TILES
+
+        names = []
+        for item in spec.split(","):
+            if item == "kernel":
+                names += [f"{m}x{n}x{k}_w{w}_s{s}_e{e}" for m, n, k, w, s in GPU_TILES for e in EPILOGUE_SPLITS]
+            else:
+                names.append(item)
+    return [(name, _config(name)) for name in dict.fromkeys(names)]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=300, help="stop timing new cases after this long")
+    parser.add_argument("--configs", default=None, help='comma-separated config names; "kernel": its candidates')
+    parser.add_argument("--output-name", default="kernel_configs", help="results/NAME.json")
     args = parser.parse_args()
     from forge_compile import rules
     from forge_compile.kernels import linear_update
@@ -63,6 +82,7 @@ def main() -> int:
     rule = rules.get("adam")
     hyper = [torch.tensor(h, dtype=torch.float64, device=device) for h in (LR, BETA1, BETA2, EPS, WEIGHT_DECAY)]
     step = torch.tensor(10.0, device=device)
+    configs = candidates(args.configs)
     started = time.perf_counter()
     rows, failures = [], {}
     try:
@@ -93,7 +113,7 @@ def main() -> int:
 
             row = {"M": M, "N": N, "T": T, "baseline_ms": _quick_ms(baseline, sets),
                    "cublas_matmul_ms": _quick_ms(matmul, sets), "configs_ms": {}}  # fmt: skip
-            for name, kernel_config in candidates():
+            for name, kernel_config in configs:
                 if name in failures:
                     continue
                 try:
@@ -107,14 +127,14 @@ def main() -> int:
             rows.append(row)
             print(f"{M}x{N} T={T}: baseline {row['baseline_ms']:.3f} cuBLAS mm {row['cublas_matmul_ms']:.3f} "
                   f"best {best} {row['best_ms']:.3f} ({row['speedup']:.2f}x)", flush=True)
-            write_result("kernel_configs", {"rows": rows, "failures": failures})
+            write_result(args.output_name, {"rows": rows, "failures": failures})
             inputs = steps = None  # freed before the next case allocates
             torch.cuda.empty_cache()
     # One config for all cases: the smallest worst-case ratio to each case's best.
     names = set.intersection(*(set(r["configs_ms"]) for r in rows))
     worst = {n: max(r["configs_ms"][n] / r["best_ms"] for r in rows) for n in names}
     ranking = sorted(worst, key=worst.get)
-    write_result("kernel_configs", {"rows": rows, "failures": failures,
+    write_result(args.output_name, {"rows": rows, "failures": failures,
                                     "worst_ratio_to_best_by_config": {n: worst[n] for n in ranking}})  # fmt: skip
     print("best single configs (worst ratio to each case's best):", [(n, round(worst[n], 3)) for n in ranking[:8]])
     return 0
