@@ -78,7 +78,9 @@ class FuseLinearUpdatePass(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         compilation = _compilations[-1] if _compilations else None
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        # Tensors only, on both sides: symbolic sizes come and go between Dynamo's graph and
+        # this one (AOTAutograd adds a subclass's outer sizes as inputs of their own).
+        placeholders = [n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
         names = compilation.input_names if compilation else []
         by_node = dict(zip(placeholders, names)) if len(names) == len(placeholders) else {}
         before = dump.graph_code(graph)
@@ -226,7 +228,7 @@ _SKIPPED_TOKENS = {"_modules", "_parameters", "_buffers", "__dict__"}
 def _input_names(gm: torch.fx.GraphModule) -> list[str]:
     names = []
     for node in gm.graph.nodes:
-        if node.op != "placeholder":
+        if node.op != "placeholder" or not isinstance(node.meta.get("example_value"), torch.Tensor):
             continue
         source = getattr(node.meta.get("grapharg"), "source", None)
         text = getattr(source, "name", None)

@@ -17,8 +17,8 @@ shards is exact. Three pieces make that work:
   consistency check on symbolic values (``SymNodeVariable() is not a constant``). The
   check only validates a spec DTensor built itself, so it is skipped while compiling.
 * :func:`leaf_names`: AOTAutograd hands the post-grad graph each DTensor as its inner
-  tensors (the local shard, then the mesh), so explain's parameter names are expanded
-  the same way.
+  tensors (the local shard; the mesh is an opaque input), so explain's parameter names
+  are expanded the same way.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def install_shard_order_fix() -> None:
 
 
 def leaf_names(name: str, value) -> list[str]:
-    """The names of the graph inputs that AOTAutograd makes of one Dynamo input: ``name``
+    """The names of the tensor inputs that AOTAutograd makes of one Dynamo input: ``name``
     itself, or for a tensor subclass its inner tensors in flattening order, the first
     (a DTensor's local shard) keeping ``name``."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -76,5 +76,7 @@ def leaf_names(name: str, value) -> list[str]:
     attrs, _ = value.__tensor_flatten__()
     names = []
     for i, attr in enumerate(attrs):
-        names += leaf_names(name if i == 0 else f"{name}.{attr}", getattr(value, attr))
+        inner = getattr(value, attr)
+        if isinstance(inner, torch.Tensor):  # not the mesh, an opaque object there
+            names += leaf_names(name if i == 0 else f"{name}.{attr}", inner)
     return names

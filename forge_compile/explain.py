@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -208,7 +209,57 @@ def explain(fn: Callable, *args, **kwargs) -> Report:
         with _sessions_lock:
             _active_sessions.remove(session)
     original = getattr(fn, "_torchdynamo_orig_callable", fn)
+    _name_parameters_seen_through_the_optimizer(session, original, args, kwargs)
     return Report(graphs=sorted(session, key=lambda r: r.graph), notes=_notes(session, original, args, kwargs))
+
+
+_OPTIMIZER_PATH = re.compile(r"^(\w+)\._forge_groups\.(\d+)\.params\.(\d+)$")
+
+
+def _name_parameters_seen_through_the_optimizer(records: list[GraphRecord], fn: Callable, args, kwargs) -> None:
+    """A graph that meets a parameter only through the optimizer (the step's graph after a
+    graph break; DDP, FSDP) names it by that path, ``opt._forge_groups.0.params.3``: give
+    it the model's name for it where a module reachable from ``fn`` holds it."""
+    import torch
+
+    paths = [(d, _OPTIMIZER_PATH.match(d.name)) for r in records for d in r.decisions]
+    paths = [(d, m) for d, m in paths if m]
+    if not paths:
+        return
+    scope = dict(getattr(fn, "__globals__", {}))
+    code = getattr(fn, "__code__", None)
+    if code is not None and getattr(fn, "__closure__", None):
+        scope.update({n: c.cell_contents for n, c in zip(code.co_freevars, fn.__closure__) if _has_contents(c)})
+    names = {}
+    for module in _reachable_from(fn, args, kwargs, torch.nn.Module):
+        for name, p in module.named_parameters():
+            names.setdefault(id(p), name)
+    reducers = {id(p): label for cls, label in _data_parallel_wrappers()
+                for module in _reachable_from(fn, args, kwargs, cls) for p in module.parameters()}  # fmt: skip
+    for decision, match in paths:
+        optimizer = scope.get(match.group(1))
+        groups = getattr(optimizer, "_forge_groups", None)
+        try:
+            param = groups[int(match.group(2))].params[int(match.group(3))]
+        except (TypeError, IndexError, AttributeError):
+            continue
+        decision.name = names.get(id(param), decision.name)
+        if id(param) in reducers and decision.code == GRADIENT_FROM_OUTSIDE:
+            decision.code = REDUCED_ACROSS_RANKS
+            decision.reason = f"gradient reduced across ranks by {reducers[id(param)]} in backward hooks, before the update"
+
+
+def _data_parallel_wrappers() -> list[tuple[type, str]]:
+    import torch
+
+    wrappers = [(torch.nn.parallel.DistributedDataParallel, "DistributedDataParallel")]
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        wrappers.append((FSDPModule, "FSDP (fully_shard)"))
+    except ImportError:  # a torch without FSDP2
+        pass
+    return wrappers
 
 
 def _notes(records: list[GraphRecord], fn: Callable, args, kwargs) -> list[str]:
@@ -275,16 +326,9 @@ def _optimizers_reachable_from(fn: Callable, args, kwargs) -> list[Any]:
 def _data_parallel_note(fn: Callable, args, kwargs) -> str | None:
     """DDP and FSDP2 reduce each gradient across ranks in backward hooks, before the
     optimizer sees it: why their weights cannot fuse, with their names."""
-    import torch
-
-    kinds = [(torch.nn.parallel.DistributedDataParallel, "DistributedDataParallel all-reduces")]
-    try:
-        from torch.distributed.fsdp import FSDPModule
-
-        kinds.append((FSDPModule, "FSDP (fully_shard) reduce-scatters"))
-    except ImportError:  # a torch without FSDP2
-        pass
-    for cls, verb in kinds:
+    verbs = {"DistributedDataParallel": "all-reduces", "FSDP (fully_shard)": "reduce-scatters"}
+    for cls, label in _data_parallel_wrappers():
+        verb = f"{label} {verbs[label]}"
         wrappers = _reachable_from(fn, args, kwargs, cls)
         if not wrappers:
             continue

@@ -159,8 +159,8 @@ def _worker(rank: int, kind: str, port: int, out_dir: str, world: int) -> None:
             weights[name.removeprefix("module.")] = full.detach().tolist()
         result = {
             "partial_gradient_reduced": _partial_gradient_reduced() if kind == "tensor_parallel" else None,
-            "fused": sorted(d.name.removeprefix("model.") for d in report.fused),
-            "rejected": {d.name.removeprefix("model."): d.code for d in report.rejected},
+            "fused": sorted(_short(d.name) for d in report.fused),
+            "rejected": {_short(d.name): d.code for d in report.rejected},
             "notes": report.notes,
             "weights": weights,
         }
@@ -168,6 +168,11 @@ def _worker(rank: int, kind: str, port: int, out_dir: str, world: int) -> None:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def _short(name: str) -> str:
+    """``model.up.weight`` (the step's closure) or ``module.up.weight`` (DDP's wrapper) -> ``up.weight``."""
+    return name.removeprefix("model.").removeprefix("module.")
 
 
 def _free_port() -> int:
@@ -204,6 +209,8 @@ def test_data_parallel_gradients_stay_unfused_and_match_one_process(kind, wrappe
     results = _run(kind, tmp_path)
     for result in results:
         assert result["fused"] == [], result
+        weights = {"gate.weight", "up.weight", "down.weight"}
+        assert {name: result["rejected"].get(name) for name in weights} == dict.fromkeys(weights, "reduced_across_ranks")
         note = next((n for n in result["notes"] if n.startswith(wrapper)), None)
         assert note is not None and "reduced_across_ranks" in note, result["notes"]
         assert "up.weight" in note and "down.weight" in note and "gate.weight" in note, note
