@@ -185,6 +185,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--max-batch", type=int, default=64, help="largest micro-batch tried for capacity")
+    parser.add_argument("--results-dir", default=None, help="write the JSON here instead of benchmarks/results/")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     if cuda:
@@ -214,7 +215,14 @@ def main() -> int:
         result["largest_micro_batch"] = capacity
     if rank == 0:
         name = "tensor_parallel" if cuda else "tensor_parallel_cpu"
-        write_result(name, result)
+        if args.results_dir:
+            import json
+
+            from benchmarks.utils import environment
+
+            Path(args.results_dir, f"{name}.json").write_text(json.dumps({"environment": environment(), **result}))
+        else:
+            write_result(name, result)
         print(result)
     dist.destroy_process_group()
     return 0

@@ -1,5 +1,12 @@
 """The GPU benchmarks' own code paths, run small on the CPU so that a broken harness shows
-here and not on the device: benchmarks/step.py's worker with a two-layer Llama."""
+here and not on the device: benchmarks/step.py's worker with a two-layer Llama, and
+benchmarks/tensor_parallel.py on two gloo ranks."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,3 +23,19 @@ def test_step_worker_measures_a_tiny_llama(mode):
         # every projection and the head: 2 layers x 7 + lm_head; the embedding and norms are not matmuls
         assert result["fused_weights"] == 15, result
         assert set(result["unfused"].values()) == {"not_a_matmul", "not_a_matrix"}, result["unfused"]
+
+
+def test_tensor_parallel_benchmark_is_exact_on_two_cpu_ranks(tmp_path):
+    """benchmarks/tensor_parallel.py over gloo with a tiny Llama: every projection shard
+    and the head fused, the weights equal to the unsharded forge step's."""
+    root = Path(__file__).resolve().parent.parent
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "benchmarks/tensor_parallel.py", "--device", "cpu", "--model", "tiny", "--seq", "16", "--steps", "2",
+               "--results-dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "tensor_parallel_cpu.json").read_text())
+    assert result["exactness"]["fused"] == 15, result["exactness"]
+    assert result["exactness"]["relative_l2_vs_unsharded_forge"] < 1e-6, result["exactness"]
+    assert all(m["status"] == "ok" for m in result["modes"].values()), result["modes"]
