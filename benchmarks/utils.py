@@ -25,7 +25,21 @@ def environment() -> dict:
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "forge_source": forge_source_hash(),
     }
+
+
+def forge_source_hash() -> str:
+    """A short hash of forge_compile's sources: which version of the code a result measured
+    (the device gets the working tree without its git history)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    package = Path(__file__).resolve().parent.parent / "forge_compile"
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def write_result(name: str, payload: dict, out_dir: str | None = None) -> Path:
