@@ -245,7 +245,12 @@ def _candidate_rows() -> list[dict]:
     ceilings = kernel["summary"]["ceilings"] if kernel else None
     rows = []
     for r in data["rows"]:
-        timed = {n: r["configs_ms"][n] for n in _candidate_names() if n in r["configs_ms"]}
+        missing = [n for n in _candidate_names() if n not in r["configs_ms"]]
+        if missing:
+            raise ValueError(f"results/kernel_configs.json has no timing of the kernel's candidates {missing} for "
+                             f"{r['M']}x{r['N']} T={r['T']}: run benchmarks/kernel_configs.py --configs kernel on "
+                             "the GPU")  # fmt: skip
+        timed = {n: r["configs_ms"][n] for n in _candidate_names()}
         best = min(timed, key=timed.get)
         row = {**r, "candidate": best, "forge_ms": timed[best], "speedup": r["baseline_ms"] / timed[best]}
         if ceilings:

@@ -122,7 +122,7 @@ def _peak_bytes(device):
 
 def worker(model_name: str, mode: str, batch: int, seq: int, device: str = "cuda") -> dict:
     device = torch.device(device)
-    result = {"model": model_name, "mode": mode, "batch": batch, "seq": seq}
+    result = {"model": model_name, "mode": mode, "batch": batch, "seq": seq, "device": device.type}
     try:
         model, config = build(model_name, device)
         result["parameters"] = sum(p.numel() for p in model.parameters())
@@ -171,7 +171,7 @@ def plot(cases: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.6 * len(models)), squeeze=False)
     for (model, seq), (time_ax, memory_ax) in zip(models, axes):
         for mode in MODES:
-            points = sorted((c["batch"], c["step_ms_median"], c["peak_bytes"] / 2**30) for c in ok
+            points = sorted((c["batch"], c["step_ms_median"], (c["peak_bytes"] or 0) / 2**30) for c in ok
                             if (c["model"], c["seq"], c["mode"]) == (model, seq, mode))  # fmt: skip
             if points:
                 batches, times, peaks = zip(*points)
@@ -217,7 +217,8 @@ def main() -> int:
         tqdm = lambda x, **_: x  # noqa: E731
     for case in tqdm([c for c in cases if c not in done], desc="step", file=sys.stdout):
         try:
-            result = run_in_subprocess("benchmarks.step", ["--worker", *map(str, case)], timeout=args.timeout)
+            result = run_in_subprocess("benchmarks.step", ["--worker", *map(str, case), "--device", args.device],
+                                       timeout=args.timeout)  # fmt: skip
         except Exception as error:  # a crash or a timeout: recorded, the other cases go on
             result = dict(zip(("model", "mode", "batch", "seq"), case), status="failed", error=str(error)[-2000:])
         result["environment"] = environment()

@@ -131,7 +131,8 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         has_backward=any(n.target is torch.autograd.grad for n in gm.graph.nodes),
     )
     has_updates = any(n.target in _UPDATE_TARGETS for n in gm.graph.nodes)
-    compilation = _Compilation(record, _input_names(gm), _decision_key(gm, example_inputs), config.fuse)
+    names, record.input_ids = _input_names(gm)
+    compilation = _Compilation(record, names, _decision_key(gm, example_inputs), config.fuse)
 
     def run(custom_pass, **patches):
         _compilations.append(compilation)
@@ -225,17 +226,27 @@ _SOURCE_TOKEN = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)")
 _SKIPPED_TOKENS = {"_modules", "_parameters", "_buffers", "__dict__"}
 
 
-def _input_names(gm: torch.fx.GraphModule) -> list[str]:
-    names = []
+def _input_names(gm: torch.fx.GraphModule) -> tuple[list[str], dict[str, int]]:
+    """The names of the graph's tensor inputs as the post-grad graph will see them, and
+    the id() of the tensor behind each (explain names parameters by identity)."""
+    names, ids = [], {}
     for node in gm.graph.nodes:
         if node.op != "placeholder" or not isinstance(node.meta.get("example_value"), torch.Tensor):
             continue
-        source = getattr(node.meta.get("grapharg"), "source", None)
+        grapharg = node.meta.get("grapharg")
+        source = getattr(grapharg, "source", None)
         text = getattr(source, "name", None)
         text = text() if callable(text) else text
+        name = _readable(text) if text else node.name
+        try:
+            example = grapharg.example
+        except Exception:  # noqa: BLE001 - no example kept (a graph Dynamo built otherwise)
+            example = None
+        if example is not None:
+            ids[name] = id(example)
         # A DTensor reaches the post-grad graph as its inner tensors: one name each.
-        names += dtensor.leaf_names(_readable(text) if text else node.name, node.meta.get("example_value"))
-    return names
+        names += dtensor.leaf_names(name, node.meta.get("example_value"))
+    return names, ids
 
 
 def _readable(source_name: str) -> str:

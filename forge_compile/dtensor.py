@@ -40,9 +40,34 @@ def local_shards(param: Tensor, grad: Tensor, states: list[Tensor]) -> tuple[Ten
     the gradient laid out as the parameter first; plain tensors pass through."""
     if not is_dtensor(param):
         return param, grad, states
-    if grad.placements != param.placements:
+    if not same_layout(grad, param):
         grad = grad.redistribute(param.device_mesh, param.placements)
-    return param.to_local(), grad.to_local(), [s.to_local() if is_dtensor(s) else s for s in states]
+    local = param.to_local()
+    grad_local = grad.to_local()
+    if grad_local.shape != local.shape:
+        raise RuntimeError(f"forge: {tuple(grad_local.shape)} local gradient for a {tuple(local.shape)} shard after "
+                           "redistribution; please report this with the parallelize plan")  # fmt: skip
+    return local, grad_local, [s.to_local() if is_dtensor(s) else s for s in states]
+
+
+def same_layout(a, b) -> bool:
+    """Two DTensors whose local shards hold the same elements: the same mesh and placements.
+    (torch 2.13 also keeps a shard order in the spec, which Dynamo cannot read; two
+    orders of one mesh dimension set show as different _StridedShard placements, and the
+    local shapes are checked after.)"""
+    return (a.device_mesh is b.device_mesh or a.device_mesh == b.device_mesh) and a.placements == b.placements
+
+
+def shard_seed(param, seed: int) -> int:
+    """The stochastic-rounding seed of this rank's shard of ``param``: shards of one weight
+    on different ranks hold different elements, so they draw different bits (the element
+    index the kernel hashes is local to the shard). Plain tensors keep ``seed``."""
+    if not is_dtensor(param):
+        return seed
+    coordinate = param.device_mesh.get_coordinate() or []
+    for c in coordinate:
+        seed = (seed * 1_000_003 + c + 1) % 2**31  # the kernel takes seeds in [0, 2**31)
+    return seed
 
 
 @functools.cache

@@ -82,9 +82,12 @@ class GraphRecord:
     """Inductor served the compiled graph from its cache; decisions came from forge's record of it."""
     fallback: str | None = None
     """forge's pass failed and the graph was compiled without it; the error."""
+    input_ids: dict[str, int] = field(default_factory=dict, repr=False)
+    """id() of the tensor behind each input name, for naming parameters (not serialized)."""
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d.pop("input_ids")
         d["decisions"] = [x.to_json() for x in self.decisions]
         return d
 
@@ -219,34 +222,25 @@ _OPTIMIZER_PATH = re.compile(r"^(\w+)\._forge_groups\.(\d+)\.params\.(\d+)$")
 def _name_parameters_seen_through_the_optimizer(records: list[GraphRecord], fn: Callable, args, kwargs) -> None:
     """A graph that meets a parameter only through the optimizer (the step's graph after a
     graph break; DDP, FSDP) names it by that path, ``opt._forge_groups.0.params.3``: give
-    it the model's name for it where a module reachable from ``fn`` holds it."""
+    it the model's name for it where a module reachable from ``fn`` holds that very tensor,
+    and mark the weights DDP/FSDP reduce as such."""
     import torch
 
-    paths = [(d, _OPTIMIZER_PATH.match(d.name)) for r in records for d in r.decisions]
-    paths = [(d, m) for d, m in paths if m]
-    if not paths:
+    pending = [(r, d) for r in records for d in r.decisions if _OPTIMIZER_PATH.match(d.name) and d.name in r.input_ids]
+    if not pending:
         return
-    scope = dict(getattr(fn, "__globals__", {}))
-    code = getattr(fn, "__code__", None)
-    if code is not None and getattr(fn, "__closure__", None):
-        scope.update({n: c.cell_contents for n, c in zip(code.co_freevars, fn.__closure__) if _has_contents(c)})
     names = {}
     for module in _reachable_from(fn, args, kwargs, torch.nn.Module):
         for name, p in module.named_parameters():
             names.setdefault(id(p), name)
     reducers = {id(p): label for cls, label in _data_parallel_wrappers()
                 for module in _reachable_from(fn, args, kwargs, cls) for p in module.parameters()}  # fmt: skip
-    for decision, match in paths:
-        optimizer = scope.get(match.group(1))
-        groups = getattr(optimizer, "_forge_groups", None)
-        try:
-            param = groups[int(match.group(2))].params[int(match.group(3))]
-        except (TypeError, IndexError, AttributeError):
-            continue
-        decision.name = names.get(id(param), decision.name)
-        if id(param) in reducers and decision.code == GRADIENT_FROM_OUTSIDE:
+    for record, decision in pending:
+        identity = record.input_ids[decision.name]
+        decision.name = names.get(identity, decision.name)
+        if identity in reducers and decision.code == GRADIENT_FROM_OUTSIDE:
             decision.code = REDUCED_ACROSS_RANKS
-            decision.reason = f"gradient reduced across ranks by {reducers[id(param)]} in backward hooks, before the update"
+            decision.reason = f"gradient reduced across ranks by {reducers[identity]} in backward hooks, before the update"
 
 
 def _data_parallel_wrappers() -> list[tuple[type, str]]:
@@ -269,7 +263,7 @@ def _notes(records: list[GraphRecord], fn: Callable, args, kwargs) -> list[str]:
     data_parallel = _data_parallel_note(fn, args, kwargs)
     if data_parallel:
         notes.append(data_parallel)
-    elif "consumed returned tensor's grad_fn" in breaks or "consumed grad_fns" in breaks:
+    if "consumed returned tensor's grad_fn" in breaks or "consumed grad_fns" in breaks:
         notes.append(
             "loss returned without .detach(): Dynamo ran the backward outside the graph, so every gradient "
             "was materialized; return loss.detach()"

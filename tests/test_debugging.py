@@ -173,3 +173,22 @@ def test_mlp_helpers_still_train(tmp_path):
     step = torch.compile(mse_step(model, forge_compile.optim.AdamW(model.parameters(), lr=1e-3)), backend="forge")
     step(torch.randn(4, 5, 12), torch.randn(4, 5, 6))
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_weights_seen_only_through_the_optimizer_get_the_models_names():
+    """A graph break between backward and step leaves the step's graph meeting the weights
+    through the optimizer only; explain still names each by the model's name for that very
+    tensor (the optimizer holds them in reverse, so a name by position would be wrong)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.ReLU(), torch.nn.Linear(8, 4, bias=False))
+    optimizer = forge_compile.optim.AdamW(list(model.parameters())[::-1], lr=1e-2)
+
+    def step(model, optimizer, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        torch._dynamo.graph_break()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    report = forge_compile.explain(step, model, optimizer, torch.randn(4, 8))
+    assert {d.name: d.shape for d in report.decisions} == {"0.weight": (8, 8), "2.weight": (4, 8)}, report

@@ -161,6 +161,7 @@ def _fused_linear_update_kernel(
 
     # The rule runs on EPILOGUE_SPLIT column slices of the tile in turn: the weight, state
     # and temporary tiles of one slice are live at a time, not of the whole tile.
+    tl.static_assert(EPILOGUE_SPLIT == 1 or EPILOGUE_SPLIT == 2, "EPILOGUE_SPLIT is 1 or 2")
     if EPILOGUE_SPLIT == 1:
         _update_columns(
             acc, rm, rn, pid_n * BLOCK_N, mask_m, N, first_row, rounding_seed, step, coefficients,

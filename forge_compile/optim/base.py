@@ -133,7 +133,10 @@ class _GroupView:
         params_changed = keys is None or "params" in keys
         if params_changed:
             self.params = list(group["params"])
-            self.rounding_seeds = [opt._forge_seed_for(self.index, i) if opt._forge_rounds_stochastically(p) else None
+            # A DTensor's shards draw their own bits (dtensor.shard_seed), worked out here,
+            # outside the traced step: the mesh coordinate does not trace.
+            self.rounding_seeds = [dtensor.shard_seed(p, opt._forge_seed_for(self.index, i))
+                                   if opt._forge_rounds_stochastically(p) else None
                                    for i, p in enumerate(self.params)]  # fmt: skip
             self.own_math = any(seed is not None for seed in self.rounding_seeds) or any(
                 opt._forge_state_format(p) != p.dtype for p in self.params

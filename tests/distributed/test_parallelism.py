@@ -126,9 +126,10 @@ def _prepare(kind: str):
 
 
 def _partial_gradient_reduced() -> bool:
-    """forge's traced step given a gradient still Partial over the mesh (DTensor's own
-    backward reduces it before, so the models above never give one) sums it over the
-    ranks before the update, as the parameter's Replicate layout requires."""
+    """forge's shard view (dtensor.local_shards, what the traced step calls) given a
+    gradient still Partial over the mesh (DTensor's own backward reduces it before, so the
+    models above never give one) sums it over the ranks, as the parameter's Replicate
+    layout requires."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
@@ -148,6 +149,8 @@ def _worker(rank: int, kind: str, port: int, out_dir: str, world: int) -> None:
     try:
         import forge_compile
 
+        from forge_compile import dtensor
+
         model, optimizer, x = _prepare(kind)
         step = torch.compile(_train_step(model, optimizer), backend="forge")
         report = forge_compile.explain(step, x)
@@ -159,6 +162,7 @@ def _worker(rank: int, kind: str, port: int, out_dir: str, world: int) -> None:
             weights[name.removeprefix("module.")] = full.detach().tolist()
         result = {
             "partial_gradient_reduced": _partial_gradient_reduced() if kind == "tensor_parallel" else None,
+            "shard_seed": dtensor.shard_seed(model.up.weight, 1234) if kind == "tensor_parallel" else None,
             "fused": sorted(_short(d.name) for d in report.fused),
             "rejected": {_short(d.name): d.code for d in report.rejected},
             "notes": report.notes,
@@ -197,6 +201,8 @@ def _assert_weights_match_reference(results: list[dict]) -> None:
 
 def test_tensor_and_sequence_parallel_shards_fuse_and_match_one_process(tmp_path):
     results = _run("tensor_parallel", tmp_path)
+    # stochastic rounding draws different bits on each rank's shard of a weight
+    assert len({result["shard_seed"] for result in results}) == WORLD
     for result in results:
         assert result["partial_gradient_reduced"]
         assert result["fused"] == ["down.weight", "up.weight"], result
