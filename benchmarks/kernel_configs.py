@@ -42,6 +42,17 @@ def _quick_ms(fn, sets: int) -> float:
     return triton.testing.do_bench(lambda: fn(next(counter) % sets), warmup=10, rep=50, return_mode="median")
 
 
+def config_name(m: int, n: int, k: int, warps: int, stages: int, split: int) -> str:
+    return f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}"
+
+
+def kernel_candidate_names() -> list[str]:
+    """The fused kernel's own autotuning candidates on the GPU."""
+    from forge_compile.kernels.linear_update import EPILOGUE_SPLITS, GPU_TILES
+
+    return [config_name(*tile, split) for tile in GPU_TILES for split in EPILOGUE_SPLITS]
+
+
 def _config(name: str):
     """``128x128x64_w8_s3_e2`` -> the triton.Config it names."""
     import triton
@@ -56,16 +67,11 @@ def candidates(spec: str | None):
     """The named configs; "kernel" stands for the kernel's own autotuning candidates;
     none given: the search grid TILES x SPLITS."""
     if spec is None:
-        names = [f"{m}x{n}x{k}_w{w}_s{s}_e{e}" for m, n, k, w, s in TILES for e in SPLITS]
+        names = [config_name(*tile, split) for tile in TILES for split in SPLITS]
     else:
-        from forge_compile.kernels.linear_update import EPILOGUE_SPLITS, GPU_TILES
-
         names = []
         for item in spec.split(","):
-            if item == "kernel":
-                names += [f"{m}x{n}x{k}_w{w}_s{s}_e{e}" for m, n, k, w, s in GPU_TILES for e in EPILOGUE_SPLITS]
-            else:
-                names.append(item)
+            names += kernel_candidate_names() if item == "kernel" else [item]
     return [(name, _config(name)) for name in dict.fromkeys(names)]
 
 

@@ -226,31 +226,26 @@ def kernel_section() -> list[str]:
     return lines
 
 
-def _candidate_names() -> list[str]:
-    """The fused kernel's autotuning candidates on the GPU, named as kernel_configs.py names them."""
-    from forge_compile.kernels.linear_update import EPILOGUE_SPLITS, GPU_TILES
-
-    return [f"{m}x{n}x{k}_w{w}_s{s}_e{e}" for m, n, k, w, s in GPU_TILES for e in EPILOGUE_SPLITS]
-
-
 def _candidate_rows() -> list[dict]:
     """results/kernel_configs.json per case, with the best of the kernel's candidates
     (what autotuning picks) and, from kernel.json's ceilings measured on the same GPU
     model, the floor."""
     from benchmarks.kernel import minimum_bytes
+    from benchmarks.kernel_configs import kernel_candidate_names
 
     data, kernel = _result("kernel_configs"), _result("kernel")
     if data is None:
         return []
     ceilings = kernel["summary"]["ceilings"] if kernel else None
+    candidates = kernel_candidate_names()
     rows = []
     for r in data["rows"]:
-        missing = [n for n in _candidate_names() if n not in r["configs_ms"]]
+        missing = [n for n in candidates if n not in r["configs_ms"]]
         if missing:
             raise ValueError(f"results/kernel_configs.json has no timing of the kernel's candidates {missing} for "
                              f"{r['M']}x{r['N']} T={r['T']}: run benchmarks/kernel_configs.py --configs kernel on "
                              "the GPU")  # fmt: skip
-        timed = {n: r["configs_ms"][n] for n in _candidate_names()}
+        timed = {n: r["configs_ms"][n] for n in candidates}
         best = min(timed, key=timed.get)
         row = {**r, "candidate": best, "forge_ms": timed[best], "speedup": r["baseline_ms"] / timed[best]}
         if ceilings:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.utils import RESULTS, causal_lm_train_step, environment, run_in_subprocess  # noqa: E402
+from benchmarks.utils import RESULTS, build_causal_lm, causal_lm_train_step, environment, run_in_subprocess  # noqa: E402
 
 MODELS = {
     # name: (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
@@ -55,15 +55,7 @@ def build(name: str, device):
                   tie_word_embeddings=tied, max_position_embeddings=4096, attn_implementation="sdpa")  # fmt: skip
     config, cls = ((Qwen3Config(head_dim=128, **common), Qwen3ForCausalLM) if name.startswith("qwen")
                    else (LlamaConfig(**common), LlamaForCausalLM))  # fmt: skip
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = cls(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model, config
+    return build_causal_lm(cls, config, device, torch.bfloat16), config
 
 
 def _optimizer_step(model, mode: str):

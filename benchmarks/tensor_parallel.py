@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.utils import write_result  # noqa: E402
+from benchmarks.utils import build_causal_lm, causal_lm_train_step, write_result  # noqa: E402
 
 MODELS = {
     # name: (hidden, intermediate, layers, heads, kv heads, vocab)
@@ -49,15 +49,7 @@ def build(name: str, device, dtype):
     config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                          tie_word_embeddings=False, attn_implementation="sdpa")  # fmt: skip
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model, config
+    return build_causal_lm(LlamaForCausalLM, config, device, dtype), config
 
 
 def parallelize(model, mesh) -> None:
@@ -68,17 +60,6 @@ def parallelize(model, mesh) -> None:
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
-
-
-def train_step(model, optimizer):
-    def step(input_ids):
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.detach()
-
-    return step
 
 
 def param_groups(model) -> list[dict]:
@@ -96,9 +77,9 @@ def make_step(model, mode: str, stochastic_rounding=None):
 
     if mode == "forge":
         optimizer = forge_compile.optim.AdamW(param_groups(model), **HYPER, stochastic_rounding=stochastic_rounding)
-        return torch.compile(train_step(model, optimizer), backend="forge"), optimizer
+        return torch.compile(causal_lm_train_step(model, optimizer), backend="forge"), optimizer
     optimizer = torch.optim.AdamW(param_groups(model), **HYPER, fused=True)
-    return train_step(model, optimizer), optimizer
+    return causal_lm_train_step(model, optimizer), optimizer
 
 
 def gathered(model) -> dict[str, torch.Tensor]:

@@ -65,6 +65,19 @@ def run_in_subprocess(module: str, args: list[str], timeout: float = 900) -> dic
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def build_causal_lm(cls, config, device, dtype):
+    """``cls(config)`` with seed-0 random weights created in ``dtype`` directly on ``device``
+    (an 8B model never exists in fp32 or on the host)."""
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def causal_lm_train_step(model, optimizer):
     """A Hugging Face causal LM's training step on its own tokens as labels, loss detached."""
 

@@ -35,9 +35,8 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import dump, explain, ops  # noqa: F401  (ops registers torch.ops.forge.*)
+from . import dtensor, dump, explain, ops  # noqa: F401  (ops registers torch.ops.forge.*)
 from .config import config
-from . import dtensor
 from .passes.fuse_linear_update import decompose_update, fuse_linear_updates
 
 log = logging.getLogger(__name__)

@@ -233,7 +233,7 @@ def _name_parameters_seen_through_the_optimizer(records: list[GraphRecord], fn: 
     for module in _reachable_from(fn, args, kwargs, torch.nn.Module):
         for name, p in module.named_parameters():
             names.setdefault(id(p), name)
-    reducers = {id(p): label for cls, label in _data_parallel_wrappers()
+    reducers = {id(p): label for cls, label, _ in _data_parallel_wrappers()
                 for module in _reachable_from(fn, args, kwargs, cls) for p in module.parameters()}  # fmt: skip
     for record, decision in pending:
         identity = record.input_ids[decision.name]
@@ -243,14 +243,15 @@ def _name_parameters_seen_through_the_optimizer(records: list[GraphRecord], fn: 
             decision.reason = f"gradient reduced across ranks by {reducers[identity]} in backward hooks, before the update"
 
 
-def _data_parallel_wrappers() -> list[tuple[type, str]]:
+def _data_parallel_wrappers() -> list[tuple[type, str, str]]:
+    """(class, name, what it does to each gradient) of the wrappers that reduce gradients in hooks."""
     import torch
 
-    wrappers = [(torch.nn.parallel.DistributedDataParallel, "DistributedDataParallel")]
+    wrappers = [(torch.nn.parallel.DistributedDataParallel, "DistributedDataParallel", "all-reduces")]
     try:
         from torch.distributed.fsdp import FSDPModule
 
-        wrappers.append((FSDPModule, "FSDP (fully_shard)"))
+        wrappers.append((FSDPModule, "FSDP (fully_shard)", "reduce-scatters"))
     except ImportError:  # a torch without FSDP2
         pass
     return wrappers
@@ -320,16 +321,14 @@ def _optimizers_reachable_from(fn: Callable, args, kwargs) -> list[Any]:
 def _data_parallel_note(fn: Callable, args, kwargs) -> str | None:
     """DDP and FSDP2 reduce each gradient across ranks in backward hooks, before the
     optimizer sees it: why their weights cannot fuse, with their names."""
-    verbs = {"DistributedDataParallel": "all-reduces", "FSDP (fully_shard)": "reduce-scatters"}
-    for cls, label in _data_parallel_wrappers():
-        verb = f"{label} {verbs[label]}"
+    for cls, label, collective in _data_parallel_wrappers():
         wrappers = _reachable_from(fn, args, kwargs, cls)
         if not wrappers:
             continue
         names = [name for module in wrappers for name, p in module.named_parameters() if p.requires_grad and p.dim() >= 2]
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
         return (
-            f"{verb} every gradient across ranks in its backward hooks, before the optimizer sees it "
+            f"{label} {collective} every gradient across ranks in its backward hooks, before the optimizer sees it "
             f"({REDUCED_ACROSS_RANKS}): the updates of its weights ({shown}) cannot fuse and run on the reduced "
             "gradients, as torch's would"
         )

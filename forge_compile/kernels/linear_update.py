@@ -286,7 +286,6 @@ def only_config(kernel_config: triton.Config):
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-
 def _max_offset(t: torch.Tensor) -> int:
     if t.is_contiguous():
         return t.numel() - 1
@@ -397,7 +396,6 @@ def _launch(rule, weight, a, b, *, states, step, hyperparameters, options, grad_
     index_64 = index_64 or (first_row + M) * N >= 2**31 - 1  # the element index of stochastic rounding
 
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-
     with torch.cuda.device(weight.device) if weight.is_cuda else contextlib.nullcontext():
         _fused_linear_update_kernel[grid](
             weight, a, b, *slots, *scale_slots,
