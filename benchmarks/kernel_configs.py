@@ -42,6 +42,20 @@ def _quick_ms(fn, sets: int) -> float:
     return triton.testing.do_bench(lambda: fn(next(counter) % sets), warmup=10, rep=50, return_mode="median")
 
 
+def _chunked_ms(fused, elements: int, sets: int) -> float:
+    """The chunked path with blocks of ``elements`` fp32 gradient elements."""
+    from forge_compile.config import config
+    from forge_compile.kernels import linear_update
+
+    saved_path, saved_elements = config.linear_update_path, linear_update._CHUNK_ELEMENTS
+    config.linear_update_path, linear_update._CHUNK_ELEMENTS = "chunked", elements
+    try:
+        fused(0)
+        return _quick_ms(fused, sets)
+    finally:
+        config.linear_update_path, linear_update._CHUNK_ELEMENTS = saved_path, saved_elements
+
+
 def config_name(m: int, n: int, k: int, warps: int, stages: int, split: int) -> str:
     return f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}"
 
@@ -80,6 +94,9 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=300, help="stop timing new cases after this long")
     parser.add_argument("--configs", default=None, help='comma-separated config names; "kernel": its candidates')
     parser.add_argument("--output-name", default="kernel_configs", help="results/NAME.json")
+    parser.add_argument("--chunk-elements", default="",
+                        help="comma-separated block sizes (elements) at which to time the chunked path too")
+    parser.add_argument("--shapes", default=None, help="MxN,... (default: %s)" % ",".join(f"{m}x{n}" for m, n in SHAPES))
     args = parser.parse_args()
     from forge_compile import rules
     from forge_compile.kernels import linear_update
@@ -89,13 +106,15 @@ def main() -> int:
     hyper = [torch.tensor(h, dtype=torch.float64, device=device) for h in (LR, BETA1, BETA2, EPS, WEIGHT_DECAY)]
     step = torch.tensor(10.0, device=device)
     configs = candidates(args.configs)
+    chunk_sizes = [int(c) for c in args.chunk_elements.split(",") if c]
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
     started = time.perf_counter()
     rows, failures = [], {}
     try:
         from tqdm import tqdm
     except ImportError:  # the progress bar is optional
         tqdm = lambda x, **_: x  # noqa: E731
-    for M, N in SHAPES:
+    for M, N in shapes:
         for T in tqdm(TOKENS, desc=f"{M}x{N}", file=sys.stdout):
             if time.perf_counter() - started > args.budget_s:
                 break
@@ -128,6 +147,8 @@ def main() -> int:
                         row["configs_ms"][name] = _quick_ms(fused, sets)
                 except Exception as error:  # out of shared memory or registers: recorded, the others go on
                     failures[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            for elements in chunk_sizes:  # the chunked path (cuBLAS blocks + the kernel's epilogue), autotuned
+                row.setdefault("chunked_ms", {})[str(elements)] = _chunked_ms(fused, elements, sets)
             best = min(row["configs_ms"], key=row["configs_ms"].get)
             row.update(best=best, best_ms=row["configs_ms"][best], speedup=row["baseline_ms"] / row["configs_ms"][best])
             rows.append(row)

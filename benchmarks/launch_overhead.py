@@ -1,11 +1,13 @@
-"""Host time of one fused-op call, with the Triton launch itself stubbed out.
+"""Host time of one fused-op call, with the Triton launch itself stubbed out, or real.
 
 What forge adds per fused weight and step before Triton's launcher runs: the op's
 dispatch (``torch.ops.forge.fused_linear_update_``) and forge's own launcher code
 (``kernels.linear_update.fused_linear_update``). Runs on any machine; the kernel never
-executes, so no GPU is needed.
+executes, so no GPU is needed. ``--device cuda`` launches the real kernel on a weight so
+small that its GPU time is a few microseconds: calls per second are then the host's,
+Triton's launch included (results/launch_overhead_cuda.json).
 
-    PYTHONPATH=. python benchmarks/launch_overhead.py
+    PYTHONPATH=. python benchmarks/launch_overhead.py [--device cuda]
 """
 
 from __future__ import annotations
@@ -35,7 +37,50 @@ def _microseconds(fn, calls: int = 3000) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def on_gpu() -> int:
+    """Host microseconds a call with the real launch, a 256x256 weight (tuned first)."""
+    import forge_compile  # noqa: F401  (registers the ops)
+
+    from benchmarks.utils import write_result
+
+    device = torch.device("cuda")
+    weight = torch.randn(256, 256, device=device)
+    grad_output_t, input = torch.randn(64, 256, device=device).t(), torch.randn(64, 256, device=device)
+    states = [torch.zeros_like(weight), torch.zeros_like(weight)]
+    step = torch.tensor(1.0, device=device)
+    hyperparameters = [torch.tensor(h, dtype=torch.float64, device=device) for h in (1e-3, 0.9, 0.999, 1e-8, 0.01)]
+    op = torch.ops.forge.fused_linear_update_.default
+
+    def call():
+        op(weight, grad_output_t, input, states, step, hyperparameters, "adam", [1, 0, 0, 1])
+
+    def per_call_us(calls=2000):
+        call()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    host_us = min(per_call_us() for _ in range(3))
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(per_call_us, 500)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    write_result("launch_overhead_cuda", {"host_us_per_call": host_us, "weight": [256, 256], "tokens": 64,
+                                          "profile_of_500_calls_by_own_time": text.getvalue()[-12000:]})  # fmt: skip
+    print(f"fused_linear_update_ on {torch.cuda.get_device_name()}: {host_us:.1f} us of host time per call")
+    return 0
+
+
 def main() -> int:
+    if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cuda":
+        return on_gpu()
     import forge_compile  # noqa: F401  (registers the ops)
     from forge_compile import rules
     from forge_compile.config import config

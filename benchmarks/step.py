@@ -46,10 +46,12 @@ MODES = ("eager_fused", "hooks", "inductor", "forge", "forge_int8")
 WARMUP, TIMED = 3, 10
 
 
-def build(name: str, device):
+def build(name: str, device, layers: int | None = None):
+    """The model ``name`` (``layers`` overrides its depth), bf16, on ``device``."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    hidden, intermediate, layers, heads, kv_heads, vocab, tied = MODELS[name]
+    hidden, intermediate, depth, heads, kv_heads, vocab, tied = MODELS[name]
+    layers = layers or depth
     common = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                   tie_word_embeddings=tied, max_position_embeddings=4096, attn_implementation="sdpa")  # fmt: skip
@@ -58,7 +60,7 @@ def build(name: str, device):
     return build_causal_lm(cls, config, device, torch.bfloat16), config
 
 
-def _optimizer_step(model, mode: str):
+def optimizer_step(model, mode: str):
     import forge_compile
 
     hyper = dict(lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1)
@@ -94,7 +96,7 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
-def _timed_ms(step, batch, device):
+def timed_ms(step, batch, device):
     """One step's time in ms: CUDA events on the GPU, the host clock elsewhere."""
     if device.type != "cuda":
         start = time.perf_counter()
@@ -118,7 +120,7 @@ def worker(model_name: str, mode: str, batch: int, seq: int, device: str = "cuda
     try:
         model, config = build(model_name, device)
         result["parameters"] = sum(p.numel() for p in model.parameters())
-        step = _optimizer_step(model, mode)
+        step = optimizer_step(model, mode)
         generator = torch.Generator(device=device).manual_seed(0)
         batches = [torch.randint(0, config.vocab_size, (batch, seq), device=device, generator=generator)
                    for _ in range(4)]  # fmt: skip
@@ -141,7 +143,7 @@ def worker(model_name: str, mode: str, batch: int, seq: int, device: str = "cuda
             torch.cuda.reset_peak_memory_stats()
         times, losses = [], []
         for i in range(TIMED):
-            milliseconds, loss = _timed_ms(step, batches[i % 4], device)
+            milliseconds, loss = timed_ms(step, batches[i % 4], device)
             times.append(milliseconds)
             losses.append(float(loss))
         result.update(step_ms_median=statistics.median(times), step_ms_all=times, peak_bytes=_peak_bytes(device),

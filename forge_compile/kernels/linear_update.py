@@ -37,9 +37,10 @@ from ..rules.storage import (
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-GPU_TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4)]
-"""(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the GPU's candidates; see _configs."""
-EPILOGUE_SPLITS = [2, 1]
+GPU_TILES = [(128, 128, 64, 16, 4), (64, 128, 64, 8, 4), (128, 128, 64, 8, 4)]
+"""(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the GPU's candidates, the first the
+untuned default; see _configs."""
+EPILOGUE_SPLITS = [2]
 
 
 def _configs():
@@ -51,11 +52,16 @@ def _configs():
                           num_warps=1)  # fmt: skip
             for n in (16, storage.QUANT_BLOCK)
         ]
-    # Candidate tiles for Hopper (benchmarks/kernel_configs.py, results/kernel_configs.json):
-    # with the rule on the tile's column halves in turn (EPILOGUE_SPLIT=2, half the
-    # epilogue's registers), 128x128x64 with 8 warps was fastest from T = 4096 up, 64x128x64
-    # with 4 warps at T <= 1024 for the large weights, and 128x128x64 in 3 stages was within
-    # 1.34x of the best everywhere: the untuned default. 128x256 and 256x128 tiles never won.
+    # Candidate tiles for Hopper (benchmarks/kernel_configs.py; results/kernel_configs_occupancy.json
+    # and the earlier sweep results/kernel_configs_first_sweep.json). Registers decide: with
+    # the rule on the tile's column halves in turn (EPILOGUE_SPLIT=2), 64x128 with 8 warps and
+    # 128x128 with 16 warps fit in 128 registers a thread without spilling (ptxas for sm_90),
+    # so an SM runs 16 warps instead of 8, whose epilogue loads and matmuls overlap. 64x128x64
+    # with 8 warps was fastest at T <= 1024 for the large weights (14336x4096, T=512: 0.365 ms
+    # against 0.430 for the best 8-warp tile), 128x128x64 with 8 warps from T = 4096 up, and
+    # 128x128x64 with 16 warps within 1.21x of the best in every case: the untuned default.
+    # The rule on the whole tile at once (EPILOGUE_SPLIT=1) spills registers; in the first
+    # sweep it was faster in 1 case of 16, by 0.6%.
     shapes, splits = GPU_TILES, EPILOGUE_SPLITS
     if not config.autotune:
         shapes, splits = shapes[:1], splits[:1]
@@ -320,9 +326,11 @@ def fused_linear_update(
     block of rows, the same kernel consumes it), as ``config.linear_update_path`` says;
     "auto" measures both on the first call for a shape (see :func:`_chosen_path`). On
     the H200 the chunked path is within 1-4% of cuBLAS + fused AdamW at T = 16384
-    (benchmarks/results/kernel_paths_partial.json) and the fused kernel 1.1-1.25x slower
-    there (results/kernel_configs.json); below T = 4096 the fused kernel is the faster of
-    the two.
+    (benchmarks/results/kernel_paths_partial.json) and the fused kernel 0.82-0.93x of
+    that baseline there; below T = 4096 the fused kernel is the faster of the two
+    (results/kernel_configs_occupancy.json; 14336x4096, T = 512:
+    0.365 ms fused, 0.543 ms chunked in 64 MiB blocks, 2.93 ms in 16 MiB blocks, whose
+    two host launches a block set the pace).
 
     Example::
 
@@ -456,7 +464,9 @@ def _launch_plan(rule_name, options, quantized_states, stochastic, gradient_give
 # and never the whole weight: a 4096-row block of a 14336x4096 weight (29% of it)
 # matched cuBLAS + fused AdamW at T = 512..16384 on the H200 (0.364 / 0.593 / 1.677 /
 # 2.998 ms against 0.380 / 0.597 / 1.605 / 3.168 at T = 512 / 2048 / 8192 / 16384), where
-# 1024-row blocks paid for their launches at small T (0.715 ms at T = 512).
+# 1024-row blocks paid for their launches at small T (0.715 ms at T = 512). A later run
+# (results/kernel_configs_occupancy.json) timed these blocks at 0.543 ms at T = 512: at
+# small T the host's launches, not the GPU, set the chunked path's pace.
 _CHUNK_ELEMENTS = 1 << 24
 
 

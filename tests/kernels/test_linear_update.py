@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from forge_compile import rules
-from forge_compile.kernels.linear_update import fused_linear_update
+from forge_compile.kernels.linear_update import GPU_TILES, fused_linear_update
 
 from helpers import KERNEL_DEVICE as DEVICE
 from helpers import ON_GPU, needs_triton
@@ -139,3 +139,34 @@ def test_tile_configs_match_float64_reference(split):
     torch.testing.assert_close(w.double(), ref_w, atol=2e-6, rtol=0)
     torch.testing.assert_close(states[0].double(), ref_m, atol=2e-6, rtol=1e-3)
     torch.testing.assert_close(states[1].double(), ref_v, atol=2e-7, rtol=1e-3)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the GPU's tile configs (16 warps, 64-column halves) compile for CUDA only")
+@pytest.mark.parametrize("tile", GPU_TILES, ids=lambda t: "{}x{}x{}_w{}_s{}".format(*t))
+def test_every_gpu_candidate_config_matches_float64_reference(tile):
+    """Each of the autotuner's GPU candidates (bf16 operands, fp32 weight and states) on a
+    weight of several tiles with edge tiles on both axes, against float64."""
+    import triton
+
+    from forge_compile.kernels import linear_update
+
+    m, n, k, warps, stages = tile
+    M, N, T = 2 * m + 37, 3 * n + 5, 4 * k + 9
+    w = torch.randn(M, N, device=DEVICE)
+    m1, v1 = 0.1 * torch.randn(M, N, device=DEVICE), 0.01 * torch.rand(M, N, device=DEVICE)
+    grad_output_t = torch.randn(T, M, device=DEVICE).to(torch.bfloat16).t()
+    x = torch.randn(T, N, device=DEVICE).to(torch.bfloat16)
+    lr, beta1, beta2, eps, wd, step = 1e-2, 0.9, 0.999, 1e-8, 0.1, 3.0
+    hyper = [torch.tensor(h, dtype=torch.float64, device=DEVICE) for h in (lr, beta1, beta2, eps, wd)]
+    ref_w, ref_m, ref_v, _ = _reference(w, m1, v1, v1, grad_output_t.double() @ x.double(), step, lr, beta1, beta2,
+                                        eps, wd, (1, 0, 0, 1))  # fmt: skip
+    for split in linear_update.EPILOGUE_SPLITS:
+        config = triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split},
+                               num_warps=warps, num_stages=stages)  # fmt: skip
+        weight, states = w.clone(), [m1.clone(), v1.clone()]
+        with linear_update.only_config(config):
+            fused_linear_update(rules.get("adam"), weight, grad_output_t, x, states, torch.tensor(step, device=DEVICE),
+                                hyper, (1, 0, 0, 1))  # fmt: skip
+        torch.testing.assert_close(weight.double(), ref_w, atol=2e-6, rtol=0)
+        torch.testing.assert_close(states[0].double(), ref_m, atol=2e-6, rtol=1e-3)
+        torch.testing.assert_close(states[1].double(), ref_v, atol=2e-7, rtol=1e-3)
