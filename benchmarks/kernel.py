@@ -4,7 +4,9 @@ cuBLAS + torch's fused AdamW, and against the floor, side by side in one run.
 For weight shapes of Llama-3.1-8B (4096x4096, 1024x4096, 14336x4096, 4096x14336) and a
 small model (1024x1024), T tokens, bf16 dY, X and W, with bf16 and with fp32 states:
 
-* baseline: ``g = dY.t() @ X`` (cuBLAS, bf16 gradient) then ``torch._fused_adamw_``;
+* baseline: ``g = dY.t() @ X`` (cuBLAS, bf16 gradient) then ``torch._fused_adamw_``
+  (with fp32 states, which it takes only beside fp32 parameters, on an fp32 master copy
+  of W that is then rounded back into W);
 * forge: ``forge::fused_linear_update_`` (the gradient never exists);
 * floor: max(2 M N T / measured bf16 matmul rate, minimum bytes / measured copy bandwidth),
   the minimum bytes reading dY, X, W and the states once and writing W and the states once.
@@ -88,11 +90,18 @@ def case(M: int, N: int, T: int, state_name: str, ceilings: dict, device) -> dic
     rule = rules.get("adam")
     steps = [torch.tensor(10.0, device=device) for _ in range(sets)]
 
+    # torch's fused AdamW takes states of the parameter's dtype only: with fp32 states it
+    # updates an fp32 master copy of the bf16 weight, then rounds it back (mixed precision).
+    masters = [w.float() for w, *_ in inputs] if state_dtype != torch.bfloat16 else None
+
     def baseline(i):
         w, dy, x, m, v = inputs[i]
         grad = dy.t() @ x
-        torch._fused_adamw_([w], [grad], [m], [v], [], [steps[i]], lr=LR, beta1=BETA1, beta2=BETA2,
-                            weight_decay=WEIGHT_DECAY, eps=EPS, amsgrad=False, maximize=False)  # fmt: skip
+        param = w if masters is None else masters[i]
+        torch._fused_adamw_([param], [grad.to(param.dtype)], [m], [v], [], [steps[i]], lr=LR, beta1=BETA1,
+                            beta2=BETA2, weight_decay=WEIGHT_DECAY, eps=EPS, amsgrad=False, maximize=False)  # fmt: skip
+        if masters is not None:
+            w.copy_(param)
 
     def forge(path):
         def run(i):

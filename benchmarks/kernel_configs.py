@@ -7,7 +7,11 @@ cuBLAS + ``torch._fused_adamw_``. The kernel's candidate list (``_configs``) and
 default are chosen from results/kernel_configs.json. An earlier run of this script
 (results/kernel_configs_prefetch_persistent.json) tried requesting the weight and state
 tiles before the matmul loop, and persistent programs walking the tiles: both were slower
-than the plain kernel in every case (5-50%), so the kernel has neither.
+than the plain kernel in every case (5-50%), so the kernel has neither. Copying the
+operand panels and the weight and state tiles with TMA descriptors instead of pointer
+loads (commit 876f670; results/kernel_configs_tma_on_off.json and
+kernel_configs_tma_operands_states.json) took 0.99-1.33x the pointer kernel's time for
+the operands and 1.06-1.65x for the states, so the kernel loads through pointers.
 
     PYTHONPATH=. python benchmarks/kernel_configs.py [--budget-s 300]
 """
@@ -67,17 +71,11 @@ def kernel_candidate_names() -> list[str]:
     return [config_name(*tile, split) for tile in GPU_TILES for split in EPILOGUE_SPLITS]
 
 
-LOADS = {"tma": "on", "otma": "operands", "stma": "states", "ptr": "off"}
-"""A config name's optional last part, the config.tma it runs with: every tile copied by
-TMA descriptors, the operands' or the states' only, or pointer loads; without it, the
-library's default."""
-
-
 def _config(name: str):
-    """``128x128x64_w8_s3_e2`` (or ``..._e2_tma``) -> the triton.Config it names."""
+    """``128x128x64_w8_s3_e2`` -> the triton.Config it names."""
     import triton
 
-    tile, warps, stages, split = name.split("_")[:4]
+    tile, warps, stages, split = name.split("_")
     m, n, k = map(int, tile.split("x"))
     return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": int(split[1:])},
                          num_warps=int(warps[1:]), num_stages=int(stages[1:]))  # fmt: skip
@@ -95,16 +93,6 @@ def candidates(spec: str | None):
     return [(name, _config(name)) for name in dict.fromkeys(names)]
 
 
-def with_loads(configs, loads: str):
-    """Each config once per load mode of the comma-separated ``loads`` (LOADS' names;
-    empty: as named)."""
-    modes = [mode for mode in loads.split(",") if mode]
-    for mode in modes:
-        if mode not in LOADS:
-            raise SystemExit(f"--loads takes {sorted(LOADS)}, got {mode!r}")
-    return [(f"{name}_{mode}", c) for name, c in configs for mode in modes] if modes else configs
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=300, help="stop timing new cases after this long")
@@ -112,20 +100,16 @@ def main() -> int:
     parser.add_argument("--output-name", default="kernel_configs", help="results/NAME.json")
     parser.add_argument("--chunk-elements", default="",
                         help="comma-separated block sizes (elements) at which to time the chunked path too")
-    parser.add_argument("--loads", default="", help="comma-separated modes of LOADS: time each config with each")
-    parser.add_argument("--tokens", default=None, help="T,... (default: %s)" % ",".join(map(str, TOKENS)))
     parser.add_argument("--shapes", default=None, help="MxN,... (default: %s)" % ",".join(f"{m}x{n}" for m, n in SHAPES))
     args = parser.parse_args()
     from forge_compile import rules
-    from forge_compile.config import config
     from forge_compile.kernels import linear_update
 
     device = torch.device("cuda")
     rule = rules.get("adam")
     hyper = [torch.tensor(h, dtype=torch.float64, device=device) for h in (LR, BETA1, BETA2, EPS, WEIGHT_DECAY)]
     step = torch.tensor(10.0, device=device)
-    configs = with_loads(candidates(args.configs), args.loads)
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else TOKENS
+    configs = candidates(args.configs)
     chunk_sizes = [int(c) for c in args.chunk_elements.split(",") if c]
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
     started = time.perf_counter()
@@ -135,7 +119,7 @@ def main() -> int:
     except ImportError:  # the progress bar is optional
         tqdm = lambda x, **_: x  # noqa: E731
     for M, N in shapes:
-        for T in tqdm(tokens, desc=f"{M}x{N}", file=sys.stdout):
+        for T in tqdm(TOKENS, desc=f"{M}x{N}", file=sys.stdout):
             if time.perf_counter() - started > args.budget_s:
                 break
             per_set = minimum_bytes(M, N, T, 2)
@@ -161,17 +145,12 @@ def main() -> int:
             for name, kernel_config in configs:
                 if name in failures:
                     continue
-                mode = name.split("_")[4:]
-                saved_tma = config.tma
                 try:
-                    config.tma = LOADS[mode[0]] if mode else saved_tma
                     with linear_update.only_config(kernel_config):
                         fused(0)
                         row["configs_ms"][name] = _quick_ms(fused, sets)
                 except Exception as error:  # out of shared memory or registers: recorded, the others go on
                     failures[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-                finally:
-                    config.tma = saved_tma
             for elements in chunk_sizes:  # the chunked path (cuBLAS blocks + the kernel's epilogue), autotuned
                 row.setdefault("chunked_ms", {})[str(elements)] = _chunked_ms(fused, elements, sets)
             best = min(row["configs_ms"], key=row["configs_ms"].get)

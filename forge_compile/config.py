@@ -12,7 +12,6 @@ from dataclasses import dataclass, fields
 
 _KERNELS = ("auto", "triton", "torch")
 _PATHS = ("auto", "fused", "chunked")
-_TMA = ("off", "on", "operands", "states")
 
 
 @dataclass(kw_only=True)
@@ -36,12 +35,6 @@ class ForgeConfig:
     consumes at once, so no more than that block ever exists), or "auto": whichever the
     first call for a shape measures faster, remembered on disk."""
 
-    tma: str = "off"
-    """Which tiles the fused kernel copies with the tensor memory accelerator (TMA, Hopper
-    and later) where their layouts allow (unit stride along rows, 16-byte aligned): "on"
-    (operands and states), "operands", "states" or "off" (pointer loads everywhere).
-    Read at each launch."""
-
     dump_dir: str | None = None
     """A folder for each compiled graph's post-grad graph before and after the rewrite,
     its decisions (JSON) and Inductor's output code (see forge_compile.dump). Graphs are
@@ -57,8 +50,6 @@ class ForgeConfig:
         super().__setattr__(name, value)
         if name == "kernel" and value not in _KERNELS:
             raise ValueError(f"forge: config.kernel must be one of {_KERNELS}, got {value!r}")
-        if name == "tma" and value not in _TMA:
-            raise ValueError(f"forge: config.tma must be one of {_TMA}, got {value!r}")
         if name == "linear_update_path" and value not in _PATHS:
             raise ValueError(f"forge: config.linear_update_path must be one of {_PATHS}, got {value!r}")
 

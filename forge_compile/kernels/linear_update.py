@@ -108,7 +108,6 @@ def _fused_linear_update_kernel(
     HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
     O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, CLAMP_MIN: tl.constexpr, CLAMP_MAX: tl.constexpr,
-    OPERAND_TMA: tl.constexpr, STATE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
 ):  # fmt: skip
@@ -136,17 +135,6 @@ def _fused_linear_update_kernel(
         # The chunked path: ``a`` is an fp32 gradient block [M, N] that cuBLAS just wrote.
         acc = tl.load(a_ptr + rm[:, None] * stride_am + rn[None, :] * stride_ak,
                       mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # fmt: skip
-    elif OPERAND_TMA:
-        # The tensor memory accelerator copies each [BLOCK_K, rows] panel of dY (A's
-        # transpose, rows contiguous) and of X into shared memory: no address registers,
-        # no masks (it fills past the edges with zeros), and wgmma reads A transposed.
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_ak, 1], block_shape=[BLOCK_K, BLOCK_M])
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1], block_shape=[BLOCK_K, BLOCK_N])
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            a = a_desc.load([k * BLOCK_K, pid_m * BLOCK_M])
-            b = b_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
-            acc = tl.dot(a.T, b, acc, input_precision=DOT_PRECISION)
     else:
         a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
         b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn
@@ -180,34 +168,13 @@ def _fused_linear_update_kernel(
     # The rule runs on EPILOGUE_SPLIT column slices of the tile in turn: the weight, state
     # and temporary tiles of one slice are live at a time, not of the whole tile.
     tl.static_assert(EPILOGUE_SPLIT == 1 or EPILOGUE_SPLIT == 2, "EPILOGUE_SPLIT is 1 or 2")
-    COLUMNS: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
-    if STATE_TMA:
-        w_tiles = tl.make_tensor_descriptor(w_ptr, shape=[M, N], strides=[stride_wm, 1], block_shape=[BLOCK_M, COLUMNS])
-        s0_tiles = w_tiles
-        s1_tiles = w_tiles
-        s2_tiles = w_tiles
-        if HAS_S0:
-            s0_tiles = tl.make_tensor_descriptor(s0_ptr, shape=[M, N], strides=[stride_s0m, 1],
-                                                 block_shape=[BLOCK_M, COLUMNS])  # fmt: skip
-        if HAS_S1:
-            s1_tiles = tl.make_tensor_descriptor(s1_ptr, shape=[M, N], strides=[stride_s1m, 1],
-                                                 block_shape=[BLOCK_M, COLUMNS])  # fmt: skip
-        if HAS_S2:
-            s2_tiles = tl.make_tensor_descriptor(s2_ptr, shape=[M, N], strides=[stride_s2m, 1],
-                                                 block_shape=[BLOCK_M, COLUMNS])  # fmt: skip
-    else:
-        w_tiles = w_ptr
-        s0_tiles = s0_ptr
-        s1_tiles = s1_ptr
-        s2_tiles = s2_ptr
-    row0 = pid_m * BLOCK_M
     if EPILOGUE_SPLIT == 1:
         _update_columns(
             acc, rm, rn, pid_n * BLOCK_N, mask_m, N, first_row, rounding_seed, step, coefficients,
-            w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, w_tiles, s0_tiles, s1_tiles, s2_tiles, row0,
+            w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
             stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
             stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
-            STATE_TMA, QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
+            QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
             HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, BLOCK_M, BLOCK_N,
         )  # fmt: skip
     else:
@@ -218,19 +185,19 @@ def _fused_linear_update_kernel(
             rn_left = rn_left.to(tl.int64)
         _update_columns(
             left, rm, rn_left, pid_n * BLOCK_N, mask_m, N, first_row, rounding_seed, step, coefficients,
-            w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, w_tiles, s0_tiles, s1_tiles, s2_tiles, row0,
+            w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
             stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
             stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
-            STATE_TMA, QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
+            QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
             HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, BLOCK_M, HALF,
         )  # fmt: skip
         _update_columns(
             right, rm, rn_left + HALF, pid_n * BLOCK_N + HALF, mask_m, N, first_row, rounding_seed, step,
             coefficients,
-            w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, w_tiles, s0_tiles, s1_tiles, s2_tiles, row0,
+            w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
             stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
             stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
-            STATE_TMA, QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
+            QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
             HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, BLOCK_M, HALF,
         )  # fmt: skip
 
@@ -238,10 +205,10 @@ def _fused_linear_update_kernel(
 @triton.jit
 def _update_columns(
     acc, rm, rn, column0, mask_m, N, first_row, rounding_seed, step, coefficients,
-    w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, w_tiles, s0_tiles, s1_tiles, s2_tiles, row0,
+    w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
     stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
     stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
-    STATE_TMA: tl.constexpr, QUANTIZED: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
+    QUANTIZED: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
     ROUND_STOCHASTIC: tl.constexpr, QUANT_BLOCK: tl.constexpr, ELEMENTWISE: tl.constexpr,
     HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
     O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr,
@@ -255,17 +222,16 @@ def _update_columns(
     s0_ptrs = s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n
     s1_ptrs = s1_ptr + rm[:, None] * stride_s1m + rn[None, :] * stride_s1n
     s2_ptrs = s2_ptr + rm[:, None] * stride_s2m + rn[None, :] * stride_s2n
-    # With STATE_TMA, ``*_tiles`` are tensor descriptors of [ROWS, COLUMNS] blocks.
-    w = _load_tile(w_tiles, w_ptrs, mask, row0, column0, STATE_TMA)
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
     s0 = w
     s1 = w
     s2 = w
     if HAS_S0:
-        s0 = _load_tile(s0_tiles, s0_ptrs, mask, row0, column0, STATE_TMA)
+        s0 = tl.load(s0_ptrs, mask=mask, other=0.0).to(tl.float32)
     if HAS_S1:
-        s1 = _load_tile(s1_tiles, s1_ptrs, mask, row0, column0, STATE_TMA)
+        s1 = tl.load(s1_ptrs, mask=mask, other=0.0).to(tl.float32)
     if HAS_S2:
-        s2 = _load_tile(s2_tiles, s2_ptrs, mask, row0, column0, STATE_TMA)
+        s2 = tl.load(s2_ptrs, mask=mask, other=0.0).to(tl.float32)
     if QUANTIZED:
         # 8-bit states: the columns are whole 64-column blocks, so this program owns their scales.
         blocks: tl.constexpr = COLUMNS // QUANT_BLOCK
@@ -287,7 +253,7 @@ def _update_columns(
     if ROUND_STOCHASTIC:
         element_index = (rm[:, None] + first_row) * N + rn[None, :]
         w = round_bfloat16_stochastically(w, element_index, rounding_key(rounding_seed, step))
-    _store_tile(w_tiles, w_ptrs, w.to(w_ptr.dtype.element_ty), mask, row0, column0, STATE_TMA)
+    tl.store(w_ptrs, w.to(w_ptr.dtype.element_ty), mask=mask)
     if QUANTIZED:
         # Columns past N are zero in the rule's output only if the state was: mask them out
         # of the block maxima.
@@ -301,27 +267,11 @@ def _update_columns(
             s2, scale2 = quantize_blocks(tl.where(mask, s2, 0.0), ROWS, COLUMNS, QUANT_BLOCK, SIGNED2)
             tl.store(q2_ptrs, scale2, mask=q_mask)
     if HAS_S0:
-        _store_tile(s0_tiles, s0_ptrs, s0.to(s0_ptr.dtype.element_ty), mask, row0, column0, STATE_TMA)
+        tl.store(s0_ptrs, s0.to(s0_ptr.dtype.element_ty), mask=mask)
     if HAS_S1:
-        _store_tile(s1_tiles, s1_ptrs, s1.to(s1_ptr.dtype.element_ty), mask, row0, column0, STATE_TMA)
+        tl.store(s1_ptrs, s1.to(s1_ptr.dtype.element_ty), mask=mask)
     if HAS_S2:
-        _store_tile(s2_tiles, s2_ptrs, s2.to(s2_ptr.dtype.element_ty), mask, row0, column0, STATE_TMA)
-
-
-@triton.jit
-def _load_tile(tiles, ptrs, mask, row0, column0, TMA: tl.constexpr):
-    if TMA:
-        return tiles.load([row0, column0]).to(tl.float32)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store_tile(tiles, ptrs, value, mask, row0, column0, TMA: tl.constexpr):
-    if TMA:  # the TMA store leaves out what lies past the edges
-        tiles.store([row0, column0], value)
-    else:
-        tl.store(ptrs, value, mask=mask)
+        tl.store(s2_ptrs, s2.to(s2_ptr.dtype.element_ty), mask=mask)
 
 
 @contextlib.contextmanager
@@ -457,14 +407,6 @@ def _launch(rule, weight, a, b, *, states, step, hyperparameters, options, grad_
     index_64 = max(_max_offset(t) for t in distinct) >= 2**31 - 1
     index_64 = index_64 or (first_row + M) * N >= 2**31 - 1  # the element index of stochastic rounding
 
-    operand_tma = state_tma = False
-    if config.tma != "off" and _has_tma(weight.device):
-        operand_tma = (config.tma in ("on", "operands") and not gradient_given and a.dtype in _TMA_OPERAND_DTYPES
-                       and b.dtype == a.dtype and _tma_addressable(a, rows_contiguous=True) and _tma_addressable(b))  # fmt: skip
-        state_tma = config.tma in ("on", "states") and all(_tma_addressable(t) for t in (weight, *slots))
-        if (operand_tma or state_tma) and weight.is_cuda:
-            _set_descriptor_allocator()
-
     s0, s1, s2 = slots
     q0, q1, q2 = scale_slots
     args = (
@@ -475,7 +417,7 @@ def _launch(rule, weight, a, b, *, states, step, hyperparameters, options, grad_
         *weight.stride(), *a.stride(), *((0, 0) if gradient_given else b.stride()),
         *s0.stride(), *s1.stride(), *s2.stride(), *q0.stride(), *q1.stride(), *q2.stride(),
     )  # fmt: skip
-    constexprs = dict(INDEX_64=index_64, OPERAND_TMA=operand_tma, STATE_TMA=state_tma, **plan.constexprs)
+    constexprs = dict(INDEX_64=index_64, **plan.constexprs)
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     # The autotuner's key arguments, and the dtypes that set the kernel's arithmetic.
     tuning_key = (M, N, K, plan.constexprs["RULE_KEY"], quantized_states, plan.constexprs["ROUND_STOCHASTIC"],
@@ -502,46 +444,6 @@ def _run_kernel(grid, args, constexprs, tuning_key) -> None:
         _TUNED[tuning_key] = _fused_linear_update_kernel.best_config
     else:
         _fused_linear_update_kernel.fn[grid](*args, **constexprs, **chosen.all_kwargs())
-
-
-# bf16/fp16 only: wgmma reads a transposed A (dY's panels) from shared memory for 16-bit
-# types, not for tf32.
-_TMA_OPERAND_DTYPES = (torch.bfloat16, torch.float16)
-
-
-@functools.cache
-def _has_tma(device: torch.device) -> bool:
-    """Hopper and later have the tensor memory accelerator; the interpreter emulates it."""
-    if device.type != "cuda":
-        return _INTERPRETING
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _tma_addressable(t: torch.Tensor, rows_contiguous: bool = False) -> bool:
-    """Whether a TMA descriptor can address the 2-D ``t`` (with ``rows_contiguous``, its
-    transpose): unit stride along the inner dimension, a 16-byte aligned base and outer stride."""
-    inner, outer = (0, 1) if rows_contiguous else (1, 0)
-    outer_stride = t.stride(outer)
-    return (
-        t.stride(inner) == 1
-        and outer_stride >= t.shape[inner]
-        and outer_stride * t.element_size() % 16 == 0
-        and t.data_ptr() % 16 == 0
-    )
-
-
-def _set_descriptor_allocator() -> None:
-    """In-kernel tensor descriptors need a small global scratch buffer per launch, which
-    Triton asks its allocator for. The allocator is a context variable, unset in each new
-    thread (autograd's backward runs in its own), so this checks at every launch."""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_descriptor_scratch)
-
-
-def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 @dataclass(frozen=True)

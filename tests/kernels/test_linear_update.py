@@ -170,31 +170,3 @@ def test_every_gpu_candidate_config_matches_float64_reference(tile):
         torch.testing.assert_close(weight.double(), ref_w, atol=2e-6, rtol=0)
         torch.testing.assert_close(states[0].double(), ref_m, atol=2e-6, rtol=1e-3)
         torch.testing.assert_close(states[1].double(), ref_v, atol=2e-7, rtol=1e-3)
-
-
-@pytest.mark.parametrize("tma", ["on", "operands", "states", "off"])
-def test_tma_and_pointer_loads_match_float64_reference(tma, monkeypatch):
-    """Aligned layouts take the TMA descriptors (operands: 16-bit dY viewed transposed and
-    X; the weight and states), others pointer loads; both compute Adam on ragged edges."""
-    from forge_compile import config
-    from forge_compile.kernels import linear_update
-
-    monkeypatch.setattr(config, "tma", tma)
-    M, N, T = 40, 24, 40  # not whole tiles on either axis; every row stride a multiple of 16 bytes
-    w = torch.randn(M, N, device=DEVICE)
-    m, v = 0.1 * torch.randn(M, N, device=DEVICE), 0.01 * torch.rand(M, N, device=DEVICE)
-    grad_output_t = torch.randn(T, M, device=DEVICE).half().t()
-    x = torch.randn(T, N, device=DEVICE).half()
-    assert linear_update._tma_addressable(grad_output_t, rows_contiguous=True) and linear_update._tma_addressable(x)
-    assert linear_update._tma_addressable(w) and not linear_update._tma_addressable(w[:, 1:])
-    assert not linear_update._tma_addressable(torch.randn(8, 7, device=DEVICE))  # 28-byte rows
-    lr, beta1, beta2, eps, wd, step = 1e-2, 0.9, 0.999, 1e-8, 0.1, 2.0
-    hyper = [torch.tensor(h, dtype=torch.float64, device=DEVICE) for h in (lr, beta1, beta2, eps, wd)]
-    ref_w, ref_m, ref_v, _ = _reference(w, m, v, v, grad_output_t.double() @ x.double(), step, lr, beta1, beta2, eps,
-                                        wd, (1, 0, 0, 1))  # fmt: skip
-    states = [m.clone(), v.clone()]
-    fused_linear_update(rules.get("adam"), w, grad_output_t, x, states, torch.tensor(step, device=DEVICE), hyper,
-                        (1, 0, 0, 1))  # fmt: skip
-    torch.testing.assert_close(w.double(), ref_w, atol=2e-6, rtol=0)
-    torch.testing.assert_close(states[0].double(), ref_m, atol=2e-6, rtol=1e-3)
-    torch.testing.assert_close(states[1].double(), ref_v, atol=2e-7, rtol=1e-3)
