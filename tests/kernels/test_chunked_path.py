@@ -85,6 +85,11 @@ def test_chunked_path_matches(three_blocks, rule_name, options, hyperparameters,
         elif a.dtype == torch.bfloat16:
             ulp = torch.finfo(torch.bfloat16).eps * e.float().abs().clamp_min(1e-30)
             assert ((a.float() - e.float()).abs() <= ulp * 1.01 + 1e-6).all()
+        elif ON_GPU:
+            # cuBLAS and the kernel sum the 24 products in different orders: partial sums
+            # near 5 differ by a few ulps, and an update that cancels most of a weight
+            # (|w| 1 -> 0.03) keeps that absolute error (1.4e-6 measured on the H200).
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=5e-6)
         else:
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
 
@@ -100,6 +105,7 @@ def test_chunk_rows_never_hold_the_whole_gradient():
 @pytest.mark.skipif(not ON_GPU, reason="the choice is measured on CUDA")
 def test_path_choice_is_measured_once_and_remembered(tmp_path, monkeypatch):
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(config, "autotune", True)  # FORGE_AUTOTUNE=0 (quick GPU runs) skips the measuring
     monkeypatch.setattr(linear_update, "_PATHS", {})
     monkeypatch.setattr(linear_update, "_CHOSEN", {})
     weight = torch.randn(256, 256, device=DEVICE)
