@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.kernel import BETA1, BETA2, EPS, L2_BYTES, LR, WEIGHT_DECAY, _inputs, minimum_bytes  # noqa: E402
+from benchmarks.kernel import (  # noqa: E402
+    BETA1, BETA2, EPS, L2_BYTES, LR, STATE_DTYPES, WEIGHT_DECAY, _inputs, baseline_update, minimum_bytes,
+)  # fmt: skip
 from benchmarks.utils import write_result  # noqa: E402
 
 SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096)]
@@ -60,24 +62,26 @@ def _chunked_ms(fused, elements: int, sets: int) -> float:
         config.linear_update_path, linear_update._CHUNK_ELEMENTS = saved_path, saved_elements
 
 
-def config_name(m: int, n: int, k: int, warps: int, stages: int, split: int) -> str:
-    return f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}"
+def config_name(m: int, n: int, k: int, warps: int, stages: int, split: int, prefetch: int = 0) -> str:
+    return f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}" + (f"_p{prefetch}" if prefetch else "")
 
 
 def kernel_candidate_names() -> list[str]:
     """The fused kernel's own autotuning candidates on the GPU."""
-    from forge_compile.kernels.linear_update import EPILOGUE_SPLITS, GPU_TILES
+    from forge_compile.kernels.linear_update import EPILOGUE_SPLITS, GPU_TILES, PREFETCH_STEPS
 
-    return [config_name(*tile, split) for tile in GPU_TILES for split in EPILOGUE_SPLITS]
+    return [config_name(*tile, split, prefetch) for tile in GPU_TILES for split in EPILOGUE_SPLITS
+            for prefetch in PREFETCH_STEPS]  # fmt: skip
 
 
 def _config(name: str):
-    """``128x128x64_w8_s3_e2`` -> the triton.Config it names."""
+    """``128x128x64_w8_s3_e2`` (``_p4``: prefetch 4 k-steps ahead) -> the triton.Config it names."""
     import triton
 
-    tile, warps, stages, split = name.split("_")
+    tile, warps, stages, split, *prefetch = name.split("_")
     m, n, k = map(int, tile.split("x"))
-    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": int(split[1:])},
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": int(split[1:]),
+                          "PREFETCH": int(prefetch[0][1:]) if prefetch else 0},
                          num_warps=int(warps[1:]), num_stages=int(stages[1:]))  # fmt: skip
 
 
@@ -100,6 +104,8 @@ def main() -> int:
     parser.add_argument("--output-name", default="kernel_configs", help="results/NAME.json")
     parser.add_argument("--chunk-elements", default="",
                         help="comma-separated block sizes (elements) at which to time the chunked path too")
+    parser.add_argument("--states", default="bf16", help="state dtypes, comma-separated: bf16, fp32")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--shapes", default=None, help="MxN,... (default: %s)" % ",".join(f"{m}x{n}" for m, n in SHAPES))
     args = parser.parse_args()
     from forge_compile import rules
@@ -118,49 +124,47 @@ def main() -> int:
         from tqdm import tqdm
     except ImportError:  # the progress bar is optional
         tqdm = lambda x, **_: x  # noqa: E731
-    for M, N in shapes:
-        for T in tqdm(TOKENS, desc=f"{M}x{N}", file=sys.stdout):
-            if time.perf_counter() - started > args.budget_s:
-                break
-            per_set = minimum_bytes(M, N, T, 2)
-            sets = max(2, -(-L2_BYTES // per_set))
-            inputs = _inputs(M, N, T, torch.bfloat16, device, sets)
-            steps = [torch.tensor(10.0, device=device) for _ in range(sets)]
+    tokens = [int(t) for t in args.tokens.split(",")]
+    state_names = args.states.split(",")
+    cases = [(M, N, states, T) for M, N in shapes for states in state_names for T in tokens]
+    for M, N, states, T in tqdm(cases, desc="cases", file=sys.stdout):
+        if time.perf_counter() - started > args.budget_s:
+            break
+        state_dtype = STATE_DTYPES[states]
+        per_set = minimum_bytes(M, N, T, torch.finfo(state_dtype).bits // 8)
+        sets = max(2, -(-L2_BYTES // per_set))
+        inputs = _inputs(M, N, T, state_dtype, device, sets)
+        baseline = baseline_update(inputs, device)
 
-            def baseline(i):
-                w, dy, x, m, v = inputs[i]
-                torch._fused_adamw_([w], [dy.t() @ x], [m], [v], [], [steps[i]], lr=LR, beta1=BETA1, beta2=BETA2,
-                                    weight_decay=WEIGHT_DECAY, eps=EPS, amsgrad=False, maximize=False)  # fmt: skip
+        def matmul(i):
+            _, dy, x, _, _ = inputs[i]
+            return dy.t() @ x
 
-            def matmul(i):
-                _, dy, x, _, _ = inputs[i]
-                return dy.t() @ x
+        def fused(i):
+            w, dy, x, m, v = inputs[i]
+            linear_update.fused_linear_update(rule, w, dy.t(), x, [m, v], step, hyper, (1, 0, 0, 1))
 
-            def fused(i):
-                w, dy, x, m, v = inputs[i]
-                linear_update.fused_linear_update(rule, w, dy.t(), x, [m, v], step, hyper, (1, 0, 0, 1))
-
-            row = {"M": M, "N": N, "T": T, "baseline_ms": _quick_ms(baseline, sets),
-                   "cublas_matmul_ms": _quick_ms(matmul, sets), "configs_ms": {}}  # fmt: skip
-            for name, kernel_config in configs:
-                if name in failures:
-                    continue
-                try:
-                    with linear_update.only_config(kernel_config):
-                        fused(0)
-                        row["configs_ms"][name] = _quick_ms(fused, sets)
-                except Exception as error:  # out of shared memory or registers: recorded, the others go on
-                    failures[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-            for elements in chunk_sizes:  # the chunked path (cuBLAS blocks + the kernel's epilogue), autotuned
-                row.setdefault("chunked_ms", {})[str(elements)] = _chunked_ms(fused, elements, sets)
-            best = min(row["configs_ms"], key=row["configs_ms"].get)
-            row.update(best=best, best_ms=row["configs_ms"][best], speedup=row["baseline_ms"] / row["configs_ms"][best])
-            rows.append(row)
-            print(f"{M}x{N} T={T}: baseline {row['baseline_ms']:.3f} cuBLAS mm {row['cublas_matmul_ms']:.3f} "
-                  f"best {best} {row['best_ms']:.3f} ({row['speedup']:.2f}x)", flush=True)
-            write_result(args.output_name, {"rows": rows, "failures": failures})
-            inputs = steps = None  # freed before the next case allocates
-            torch.cuda.empty_cache()
+        row = {"M": M, "N": N, "T": T, "states": states, "baseline_ms": _quick_ms(baseline, sets),
+               "cublas_matmul_ms": _quick_ms(matmul, sets), "configs_ms": {}}  # fmt: skip
+        for name, kernel_config in configs:
+            if name in failures:
+                continue
+            try:
+                with linear_update.only_config(kernel_config):
+                    fused(0)
+                    row["configs_ms"][name] = _quick_ms(fused, sets)
+            except Exception as error:  # out of shared memory or registers: recorded, the others go on
+                failures[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        for elements in chunk_sizes:  # the chunked path (cuBLAS blocks + the kernel's epilogue), autotuned
+            row.setdefault("chunked_ms", {})[str(elements)] = _chunked_ms(fused, elements, sets)
+        best = min(row["configs_ms"], key=row["configs_ms"].get)
+        row.update(best=best, best_ms=row["configs_ms"][best], speedup=row["baseline_ms"] / row["configs_ms"][best])
+        rows.append(row)
+        print(f"{M}x{N} {states} T={T}: baseline {row['baseline_ms']:.3f} cuBLAS mm {row['cublas_matmul_ms']:.3f} "
+              f"best {best} {row['best_ms']:.3f} ({row['speedup']:.2f}x)", flush=True)
+        write_result(args.output_name, {"rows": rows, "failures": failures})
+        inputs = baseline = None  # freed before the next case allocates
+        torch.cuda.empty_cache()
     # One config for all cases: the smallest worst-case ratio to each case's best.
     names = set.intersection(*(set(r["configs_ms"]) for r in rows))
     worst = {n: max(r["configs_ms"][n] / r["best_ms"] for r in rows) for n in names}
