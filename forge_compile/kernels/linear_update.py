@@ -41,9 +41,6 @@ GPU_TILES = [(128, 128, 64, 16, 4), (64, 128, 64, 8, 4), (128, 128, 64, 8, 4)]
 """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the GPU's candidates, the first the
 untuned default; see _configs."""
 EPILOGUE_SPLITS = [2]
-PREFETCH_STEPS = [0]
-"""How many k-steps before the matmul loop ends the weight and state tiles are requested
-into the L2 (0: not at all); see _configs."""
 
 
 def _configs():
@@ -65,15 +62,14 @@ def _configs():
     # 128x128x64 with 16 warps within 1.21x of the best in every case: the untuned default.
     # The rule on the whole tile at once (EPILOGUE_SPLIT=1) spills registers; in the first
     # sweep it was faster in 1 case of 16, by 0.6%.
-    shapes, splits, prefetches = GPU_TILES, EPILOGUE_SPLITS, PREFETCH_STEPS
+    shapes, splits = GPU_TILES, EPILOGUE_SPLITS
     if not config.autotune:
-        shapes, splits, prefetches = shapes[:1], splits[:1], prefetches[:1]
+        shapes, splits = shapes[:1], splits[:1]
     return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split,
-                       "PREFETCH": prefetch}, num_warps=w, num_stages=s)  # fmt: skip
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split},
+                      num_warps=w, num_stages=s)  # fmt: skip
         for m, n, k, w, s in shapes
         for split in splits
-        for prefetch in prefetches
     ]
 
 
@@ -113,7 +109,7 @@ def _fused_linear_update_kernel(
     O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, CLAMP_MIN: tl.constexpr, CLAMP_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr, PREFETCH: tl.constexpr = 0,
+    EPILOGUE_SPLIT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -143,26 +139,13 @@ def _fused_linear_update_kernel(
         a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
         b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        steps = tl.cdiv(K, BLOCK_K)
-        if PREFETCH == 0:
-            acc = _accumulate(acc, a_ptrs, b_ptrs, 0, steps, K, rk, mask_m, mask_n, stride_ak, stride_bk,
-                              BLOCK_K, DOT_PRECISION)  # fmt: skip
-        else:
-            # PREFETCH k-steps before the loop ends, ask the L2 for the weight and state
-            # tiles the epilogue reads: their DRAM reads overlap the last matmuls instead
-            # of following them, and cost no registers (a prefetch returns nothing).
-            ahead = tl.maximum(steps - PREFETCH, 0)
-            acc = _accumulate(acc, a_ptrs, b_ptrs, 0, ahead, K, rk, mask_m, mask_n, stride_ak, stride_bk,
-                              BLOCK_K, DOT_PRECISION)  # fmt: skip
-            _prefetch_to_l2(w_ptr, rm, pid_n * BLOCK_N, mask_m, N, stride_wm, stride_wn, BLOCK_N)
-            if HAS_S0:
-                _prefetch_to_l2(s0_ptr, rm, pid_n * BLOCK_N, mask_m, N, stride_s0m, stride_s0n, BLOCK_N)
-            if HAS_S1:
-                _prefetch_to_l2(s1_ptr, rm, pid_n * BLOCK_N, mask_m, N, stride_s1m, stride_s1n, BLOCK_N)
-            if HAS_S2:
-                _prefetch_to_l2(s2_ptr, rm, pid_n * BLOCK_N, mask_m, N, stride_s2m, stride_s2n, BLOCK_N)
-            acc = _accumulate(acc, a_ptrs, b_ptrs, ahead, steps, K, rk, mask_m, mask_n, stride_ak, stride_bk,
-                              BLOCK_K, DOT_PRECISION)  # fmt: skip
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_remaining = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & (rk[None, :] < k_remaining), other=0.0)
+            b = tl.load(b_ptrs, mask=(rk[:, None] < k_remaining) & mask_n[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
 
     # clip_grad_value_ folded in: comparisons keep NaN, as torch.clamp does.
     if CLAMP_MIN:
@@ -217,34 +200,6 @@ def _fused_linear_update_kernel(
             QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
             HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, BLOCK_M, HALF,
         )  # fmt: skip
-
-
-@triton.jit
-def _accumulate(acc, a_ptrs, b_ptrs, first, last, K, rk, mask_m, mask_n, stride_ak, stride_bk,
-                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """``acc`` plus the products of the k-steps ``first`` to ``last`` (exclusive)."""
-    a_ptrs += first * BLOCK_K * stride_ak
-    b_ptrs += first * BLOCK_K * stride_bk
-    for k in range(first, last):
-        k_remaining = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & (rk[None, :] < k_remaining), other=0.0)
-        b = tl.load(b_ptrs, mask=(rk[:, None] < k_remaining) & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-    return acc
-
-
-@triton.jit
-def _prefetch_to_l2(ptr, rm, column0, mask_m, N, stride_m, stride_n, COLUMNS: tl.constexpr):
-    """Ask the L2 for the rows ``rm``, columns ``column0`` onwards of ``ptr``'s tile: one
-    address per 32-byte sector; rows and columns outside the tensor name its first element."""
-    SECTOR: tl.constexpr = 256 // ptr.dtype.element_ty.primitive_bitwidth
-    rs = column0 + tl.arange(0, COLUMNS // SECTOR) * SECTOR
-    inside = mask_m[:, None] & (rs < N)[None, :]
-    addresses = ptr + tl.where(inside, rm[:, None] * stride_m + rs[None, :] * stride_n, 0)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [addresses], dtype=tl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
 
 
 @triton.jit
