@@ -122,12 +122,22 @@ def quantize_state(values: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
     return codes[:, : rows.shape[1]].to(code_dtype(signed)).reshape(values.shape), scales
 
 
+_KEY_REDUCTION_ELEMENTS = 16
+
+
 def _round_stochastically(values: Tensor, step: Tensor, seed: int, first_row: int) -> Tensor:
     rows = _as_rows(values)
     index = (torch.arange(rows.shape[0], device=values.device) + first_row)[:, None] * rows.shape[1] + torch.arange(
         rows.shape[1], device=values.device
     )
     key = _torch_storage("rounding_key")(seed, step)
+    # Inductor inlines a value it has not stored into each reader, and every line of the
+    # hash reads its input twice, so the key's expression would be copied ~256 times into
+    # each update's loop body (3,914 nodes per update on a 2-layer Qwen3, whose first step
+    # compiled in 345 s on the CPU against 96 s for backend="inductor"). A reduction over
+    # more elements than Inductor unrolls (config.unroll_reductions_threshold, 8) is always
+    # stored: the key becomes one load of a 0-d buffer, with the same value.
+    key = key.reshape(1).expand(_KEY_REDUCTION_ELEMENTS).amax()
     return _torch_storage("round_bfloat16_stochastically")(rows.to(torch.float32), index, key).reshape(values.shape)
 
 
