@@ -167,56 +167,103 @@ def _fused_linear_update_kernel(
 
     # The rule runs on EPILOGUE_SPLIT column slices of the tile in turn: the weight, state
     # and temporary tiles of one slice are live at a time, not of the whole tile.
-    tl.static_assert(EPILOGUE_SPLIT == 1 or EPILOGUE_SPLIT == 2, "EPILOGUE_SPLIT is 1 or 2")
+    tl.static_assert(EPILOGUE_SPLIT == 1 or EPILOGUE_SPLIT == 2 or EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT is 1, 2 or 4")
     if EPILOGUE_SPLIT == 1:
         _update_columns(
-            acc, rm, rn, pid_n * BLOCK_N, mask_m, N, first_row, rounding_seed, step, coefficients,
+            acc, rm, pid_n * BLOCK_N, mask_m, N, first_row, rounding_seed, step, coefficients,
             w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
             stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
             stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
             QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
-            HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, BLOCK_M, BLOCK_N,
+            HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+    elif EPILOGUE_SPLIT == 2:
+        _update_column_halves(
+            acc, rm, pid_n * BLOCK_N, mask_m, N, first_row, rounding_seed, step, coefficients,
+            w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
+            stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
+            stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
+            QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
+            HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, BLOCK_M, BLOCK_N,
         )  # fmt: skip
     else:
         HALF: tl.constexpr = BLOCK_N // 2
-        left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-        rn_left = pid_n * BLOCK_N + tl.arange(0, HALF)
-        if INDEX_64:
-            rn_left = rn_left.to(tl.int64)
-        _update_columns(
-            left, rm, rn_left, pid_n * BLOCK_N, mask_m, N, first_row, rounding_seed, step, coefficients,
+        left, right = _column_halves(acc, BLOCK_M, BLOCK_N)
+        _update_column_halves(
+            left, rm, pid_n * BLOCK_N, mask_m, N, first_row, rounding_seed, step, coefficients,
             w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
             stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
             stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
             QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
-            HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, BLOCK_M, HALF,
+            HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, BLOCK_M, HALF,
         )  # fmt: skip
-        _update_columns(
-            right, rm, rn_left + HALF, pid_n * BLOCK_N + HALF, mask_m, N, first_row, rounding_seed, step,
-            coefficients,
+        _update_column_halves(
+            right, rm, pid_n * BLOCK_N + HALF, mask_m, N, first_row, rounding_seed, step, coefficients,
             w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
             stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
             stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
             QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
-            HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, BLOCK_M, HALF,
+            HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, BLOCK_M, HALF,
         )  # fmt: skip
 
 
 @triton.jit
-def _update_columns(
-    acc, rm, rn, column0, mask_m, N, first_row, rounding_seed, step, coefficients,
+def _column_halves(x, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    """``x``'s left and right column halves."""
+    return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, COLUMNS // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _update_column_halves(
+    acc, rm, column0, mask_m, N, first_row, rounding_seed, step, coefficients,
     w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
     stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
     stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
     QUANTIZED: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
     ROUND_STOCHASTIC: tl.constexpr, QUANT_BLOCK: tl.constexpr, ELEMENTWISE: tl.constexpr,
     HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
-    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr,
+    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr, INDEX_64: tl.constexpr,
     ROWS: tl.constexpr, COLUMNS: tl.constexpr,
 ):  # fmt: skip
-    """The rule on the gradient ``acc`` of the weight's rows ``rm`` and columns ``rn``
-    (``column0`` onwards, a whole number of 8-bit blocks when ``QUANTIZED``): load the
+    """:func:`_update_columns` on the left, then the right half of the columns ``column0`` onwards."""
+    HALF: tl.constexpr = COLUMNS // 2
+    left, right = _column_halves(acc, ROWS, COLUMNS)
+    _update_columns(
+        left, rm, column0, mask_m, N, first_row, rounding_seed, step, coefficients,
+        w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
+        stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
+        stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
+        QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
+        HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, ROWS, HALF,
+    )  # fmt: skip
+    _update_columns(
+        right, rm, column0 + HALF, mask_m, N, first_row, rounding_seed, step, coefficients,
+        w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
+        stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
+        stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
+        QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
+        HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, ROWS, HALF,
+    )  # fmt: skip
+
+
+@triton.jit
+def _update_columns(
+    acc, rm, column0, mask_m, N, first_row, rounding_seed, step, coefficients,
+    w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
+    stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
+    stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
+    QUANTIZED: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
+    ROUND_STOCHASTIC: tl.constexpr, QUANT_BLOCK: tl.constexpr, ELEMENTWISE: tl.constexpr,
+    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
+    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr, INDEX_64: tl.constexpr,
+    ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+):  # fmt: skip
+    """The rule on the gradient ``acc`` of the weight's rows ``rm`` and its ``COLUMNS``
+    columns from ``column0`` (a whole number of 8-bit blocks when ``QUANTIZED``): load the
     weight and states, update, store."""
+    rn = column0 + tl.arange(0, COLUMNS)
+    if INDEX_64:
+        rn = rn.to(tl.int64)
     mask = mask_m[:, None] & (rn < N)[None, :]
     w_ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :] * stride_wn
     s0_ptrs = s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n

@@ -113,10 +113,10 @@ def test_kernel_rejects_mismatched_shapes():
                             [w.clone(), w.clone()], torch.tensor(1.0, device=DEVICE), hyper, (1, 0, 0, 0))  # fmt: skip
 
 
-@pytest.mark.parametrize("split", [1, 2], ids=["whole-tile", "split-epilogue"])
+@pytest.mark.parametrize("split", [1, 2, 4], ids=["whole-tile", "split-epilogue", "quartered-epilogue"])
 def test_tile_configs_match_float64_reference(split):
-    """An explicit tile config, with the rule on the whole tile or on its two column halves
-    in turn, computes Adam: several tiles and edge tiles on both axes."""
+    """An explicit tile config, with the rule on the whole tile or on its two or four
+    column slices in turn, computes Adam: several tiles and edge tiles on both axes."""
     import triton
 
     from forge_compile.kernels import linear_update
