@@ -236,7 +236,8 @@ def _optimizer_update_fake(param, grad, states, step, hyperparameters, rule, opt
 # torch.library.custom_op, 150 us a call (its Python ADInplaceOrView pass alone spends
 # 65 us filling defaults, walking the schema quadratically); defined with
 # torch.library.Library and one Autograd kernel that redispatches below autograd under
-# no_grad (what custom_op's does), 63 us, of which 23 us are forge's own launcher.
+# no_grad (what custom_op's does), 63 us, of which 23 us are forge's own launcher; with grad
+# mode off the Autograd kernel now runs the CPU/CUDA kernel itself (see below).
 _LIBRARY = torch.library.Library("forge", "FRAGMENT")
 _LIBRARY.define(
     "fused_linear_update_(Tensor(a0!) weight, Tensor grad_output_t, Tensor input, Tensor(a3!)[] states, Tensor step, "
@@ -294,8 +295,8 @@ def fused_linear_update_(
 def _fused_linear_update_below_autograd(*args, **kwargs) -> None:
     if _runs_on_plain_tensors(args):
         # What the redispatch below reaches for plain CPU/CUDA tensors, without its second
-        # boxed dispatch: 70 -> 42 us a call on a 2-core CPU, the kernel launch stubbed out
-        # (benchmarks/launch_overhead.py); forge's compiled backward calls this once per
+        # boxed dispatch: 61 -> 50 us a call on a 2-core CPU (the kernel launch stubbed out,
+        # the two routes alternated in one process); forge's compiled backward calls this once per
         # fused weight and step, with grad mode off.
         fused_linear_update_(*args, **kwargs)
         return
