@@ -67,8 +67,8 @@ def _chunked_ms(fused, elements: int, sets: int) -> float:
         config.linear_update_path, linear_update._CHUNK_ELEMENTS = saved_path, saved_elements
 
 
-def config_name(m: int, n: int, k: int, warps: int, stages: int, split: int) -> str:
-    return f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}"
+def config_name(m: int, n: int, k: int, warps: int, stages: int, split: int, early_load: int = 0) -> str:
+    return f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}" + ("_l" if early_load else "")
 
 
 def kernel_candidate_names() -> list[str]:
@@ -79,13 +79,39 @@ def kernel_candidate_names() -> list[str]:
 
 
 def _config(name: str):
-    """``128x128x64_w8_s3_e2`` -> the triton.Config it names."""
+    """``128x128x64_w8_s3_e2`` -> the triton.Config it names; a trailing ``_l``: EARLY_LOAD
+    (the weight and state tiles loaded before the matmul loop)."""
     import triton
 
-    tile, warps, stages, split = name.split("_")
+    tile, warps, stages, split, *early = name.split("_")
     m, n, k = map(int, tile.split("x"))
-    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": int(split[1:])},
+    if early not in ([], ["l"]):
+        raise ValueError(f"unknown config suffix in {name!r}: _l (early load) is the only one")
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": int(split[1:]),
+                          "EARLY_LOAD": int(bool(early))},
                          num_warps=int(warps[1:]), num_stages=int(stages[1:]))  # fmt: skip
+
+
+def compiled_resources() -> dict[str, dict]:
+    """Registers a thread, spilled registers and shared memory of every compiled variant of
+    the fused kernel, keyed by its config (what ptxas gave each)."""
+    from forge_compile.kernels import linear_update
+
+    out = {}
+    for kernel_cache, *_ in getattr(linear_update._fused_linear_update_kernel.fn, "device_caches", {}).values():
+        for kernel in kernel_cache.values():
+            kernel._init_handles()  # n_regs and n_spills are read when the binary is loaded
+            arg_names = kernel.src.fn.arg_names
+            constants = {}
+            for key, value in kernel.src.constants.items():  # keyed by (argument index,) in Triton 3.x
+                index = key[0] if isinstance(key, tuple) else key
+                constants[arg_names[index] if isinstance(index, int) else index] = value
+            meta = kernel.metadata
+            name = "x".join(str(constants.get(k, "?")) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+            name += f"_w{meta.num_warps}_s{meta.num_stages}_e{constants.get('EPILOGUE_SPLIT', '?')}"
+            name += "_l" if constants.get("EARLY_LOAD") else ""
+            out[name] = {"registers": kernel.n_regs, "spills": kernel.n_spills, "shared_bytes": meta.shared}
+    return out
 
 
 def candidates(spec: str | None):
@@ -172,8 +198,13 @@ def main() -> int:
     names = set.intersection(*(set(r["configs_ms"]) for r in rows))
     worst = {n: max(r["configs_ms"][n] / r["best_ms"] for r in rows) for n in names}
     ranking = sorted(worst, key=worst.get)
-    write_result(args.output_name, {"rows": rows, "failures": failures,
+    try:
+        resources = compiled_resources()
+    except Exception as error:  # Triton's internals move between releases: the timings stand without it
+        resources = {"error": f"{type(error).__name__}: {error}"}
+    write_result(args.output_name, {"rows": rows, "failures": failures, "compiled": resources,
                                     "worst_ratio_to_best_by_config": {n: worst[n] for n in ranking}})  # fmt: skip
+    print("compiled:", resources)
     print("best single configs (worst ratio to each case's best):", [(n, round(worst[n], 3)) for n in ranking[:8]])
     return 0
 
