@@ -18,6 +18,7 @@ replayed from a CUDA graph: GPU time alone, without the host's launch time, whic
 the small weights' do_bench times mostly are.
 
     PYTHONPATH=. python benchmarks/kernel.py            # writes results/kernel.{json,csv,png}
+    PYTHONPATH=. python benchmarks/kernel.py --resume   # after a cut-off run: only the cases not yet measured
 """
 
 from __future__ import annotations
@@ -221,7 +222,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--states", default=",".join(STATE_DTYPES))
+    parser.add_argument("--shapes", default=",".join(f"{m}x{n}" for m, n in SHAPES), help="MxN,...")
     parser.add_argument("--output", default=None, help="also write the results here (default $OUT)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the cases of results/kernel_partial.json and measure only the others")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernel.py times CUDA kernels: no CUDA device here", file=sys.stderr)
@@ -230,15 +234,24 @@ def main() -> int:
     error = check(device)
     ceilings = measure_ceilings(device)
     rows = []
+    partial = RESULTS / "kernel_partial.json"
+    if args.resume and partial.exists():  # a run cut off at the device's time limit goes on where it stopped
+        import json
+
+        rows = json.loads(partial.read_text())["rows"]
+        print(f"resuming after {len(rows)} cases of {partial}")
     try:
         from tqdm import tqdm
     except ImportError:  # the progress bar is optional
         tqdm = lambda x, **_: x  # noqa: E731
-    cases = [(M, N, T, s) for s in args.states.split(",") for M, N in SHAPES for T in map(int, args.tokens.split(","))]
+    shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
+    done = {(r["M"], r["N"], r["T"], r["states"]) for r in rows}
+    cases = [(M, N, T, s) for s in args.states.split(",") for M, N in shapes for T in map(int, args.tokens.split(","))
+             if (M, N, T, s) not in done]  # fmt: skip
     for M, N, T, s in tqdm(cases, desc="kernel", mininterval=10, file=sys.stdout):
         rows.append(case(M, N, T, s, ceilings, device))
         write_result("kernel_partial", {"ceilings": ceilings, "rows": rows}, args.output)  # survives a cut-off run
-    largest = max(SHAPES, key=lambda s: s[0] * s[1])
+    largest = max(((r["M"], r["N"]) for r in rows), key=lambda s: s[0] * s[1])
     summary = {
         "fp32_check_relative_l2_vs_float64": error,
         "ceilings": ceilings,
