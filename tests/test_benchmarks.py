@@ -39,3 +39,27 @@ def test_tensor_parallel_benchmark_is_exact_on_two_cpu_ranks(tmp_path):
     assert result["exactness"]["fused"] == 15, result["exactness"]
     assert result["exactness"]["relative_l2_vs_unsharded_forge"] < 1e-6, result["exactness"]
     assert all(m["status"] == "ok" for m in result["modes"].values()), result["modes"]
+
+
+def test_kernel_counters_reads_ncu_raw_csv():
+    """benchmarks/kernel_counters.py's reading of ``ncu --csv --page raw``: a header row, a
+    units row, a row per launch; the summary keeps the named metrics and ranks the stalls."""
+    from benchmarks.kernel_counters import _parse, _summary
+
+    text = "\n".join([
+        "==PROF== Connected to process 12",
+        '"ID","Kernel Name","gpu__time_duration.sum","launch__registers_per_thread",'
+        '"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",'
+        '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"',
+        '"","","us","register/thread","",""',
+        '"0","_fused_linear_update_kernel","365.2","128","3.2","1.1"',
+        '"1","nvjet_sm90_tst_256x128","99.0","168","0.2","4.5"',
+    ])  # fmt: skip
+    launches = _parse(text)
+    assert [launch["kernel"] for launch in launches] == ["_fused_linear_update_kernel", "nvjet_sm90_tst_256x128"]
+    assert launches[0]["gpu__time_duration.sum [us]"] == "365.2"
+    first, second = (_summary(launch) for launch in launches)
+    assert first["launch__registers_per_thread"] == "128"
+    assert list(first["top_stalls"]) == ["long_scoreboard", "barrier"]
+    assert list(second["top_stalls"]) == ["barrier", "long_scoreboard"]
+    assert _parse("==PROF== no kernels were profiled") == []
