@@ -136,6 +136,8 @@ def _fused_linear_update_kernel(
     # work instead of following it.
     tl.static_assert(not EARLY_LOAD or (not QUANTIZED and EPILOGUE_SPLIT <= 2), "EARLY_LOAD: plain states, split 1 or 2")
     SLICE: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    # Without EARLY_LOAD the epilogue loads the tiles itself; these names are placeholders.
+    w_a, s0_a, s1_a, s2_a, w_b, s0_b, s1_b, s2_b = rm, rm, rm, rm, rm, rm, rm, rm
     if EARLY_LOAD:
         w_a, s0_a, s1_a, s2_a = _load_columns(
             rm, pid_n * BLOCK_N, mask_m, N, w_ptr, s0_ptr, s1_ptr, s2_ptr,
@@ -186,31 +188,7 @@ def _fused_linear_update_kernel(
     # The rule runs on EPILOGUE_SPLIT column slices of the tile in turn: the weight, state
     # and temporary tiles of one slice are live at a time, not of the whole tile.
     tl.static_assert(EPILOGUE_SPLIT == 1 or EPILOGUE_SPLIT == 2 or EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT is 1, 2 or 4")
-    if EARLY_LOAD:
-        if EPILOGUE_SPLIT == 1:
-            acc_a = acc
-        else:
-            acc_a, acc_b = _column_halves(acc, BLOCK_M, BLOCK_N)
-        _update_columns(
-            acc_a, rm, pid_n * BLOCK_N, mask_m, N, first_row, rounding_seed, step, coefficients,
-            w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
-            stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-            stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
-            QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
-            HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, BLOCK_M, SLICE,
-            w_a, s0_a, s1_a, s2_a, True,
-        )  # fmt: skip
-        if EPILOGUE_SPLIT == 2:
-            _update_columns(
-                acc_b, rm, pid_n * BLOCK_N + SLICE, mask_m, N, first_row, rounding_seed, step, coefficients,
-                w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
-                stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-                stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
-                QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
-                HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, BLOCK_M, SLICE,
-                w_b, s0_b, s1_b, s2_b, True,
-            )  # fmt: skip
-    elif EPILOGUE_SPLIT == 1:
+    if EPILOGUE_SPLIT == 1:
         _update_columns(
             acc, rm, pid_n * BLOCK_N, mask_m, N, first_row, rounding_seed, step, coefficients,
             w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
@@ -218,7 +196,7 @@ def _fused_linear_update_kernel(
             stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
             QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
             HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, BLOCK_M, BLOCK_N,
-            acc, acc, acc, acc, False,
+            w_a, s0_a, s1_a, s2_a, EARLY_LOAD,
         )  # fmt: skip
     elif EPILOGUE_SPLIT == 2:
         _update_column_halves(
@@ -228,6 +206,7 @@ def _fused_linear_update_kernel(
             stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
             QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
             HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, BLOCK_M, BLOCK_N,
+            w_a, s0_a, s1_a, s2_a, w_b, s0_b, s1_b, s2_b, EARLY_LOAD,
         )  # fmt: skip
     else:
         HALF: tl.constexpr = BLOCK_N // 2
@@ -239,6 +218,7 @@ def _fused_linear_update_kernel(
             stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
             QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
             HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, BLOCK_M, HALF,
+            w_a, s0_a, s1_a, s2_a, w_b, s0_b, s1_b, s2_b, False,
         )  # fmt: skip
         _update_column_halves(
             right, rm, pid_n * BLOCK_N + HALF, mask_m, N, first_row, rounding_seed, step, coefficients,
@@ -247,6 +227,7 @@ def _fused_linear_update_kernel(
             stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
             QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
             HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, BLOCK_M, HALF,
+            w_a, s0_a, s1_a, s2_a, w_b, s0_b, s1_b, s2_b, False,
         )  # fmt: skip
 
 
@@ -267,8 +248,10 @@ def _update_column_halves(
     HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
     O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr, INDEX_64: tl.constexpr,
     ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+    w_a, s0_a, s1_a, s2_a, w_b, s0_b, s1_b, s2_b, PRELOADED: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_update_columns` on the left, then the right half of the columns ``column0`` onwards."""
+    """:func:`_update_columns` on the left, then the right half of the columns ``column0``
+    onwards (with ``PRELOADED``, their tiles are ``*_a`` and ``*_b``)."""
     HALF: tl.constexpr = COLUMNS // 2
     left, right = _column_halves(acc, ROWS, COLUMNS)
     _update_columns(
@@ -278,7 +261,7 @@ def _update_column_halves(
         stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
         QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
         HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, ROWS, HALF,
-        acc, acc, acc, acc, False,
+        w_a, s0_a, s1_a, s2_a, PRELOADED,
     )  # fmt: skip
     _update_columns(
         right, rm, column0 + HALF, mask_m, N, first_row, rounding_seed, step, coefficients,
@@ -287,7 +270,7 @@ def _update_column_halves(
         stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
         QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
         HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, ROWS, HALF,
-        acc, acc, acc, acc, False,
+        w_b, s0_b, s1_b, s2_b, PRELOADED,
     )  # fmt: skip
 
 
