@@ -13,6 +13,15 @@ Every time is GPU time alone (CUDA-graph replays, kernel.py's ``_graph_median_ms
 rotating among input sets larger than the L2.
 
     PYTHONPATH=. python benchmarks/kernel_anatomy.py     # writes results/kernel_anatomy.json
+
+First reading (results/kernel_anatomy.json, H100, 14336x4096, 64x128x64 with 8 warps):
+at T = 512 the full kernel took 0.395 ms, its matmul loop alone 0.175 (cuBLAS: 0.101) and
+its epilogue alone 0.321 (torch's fused AdamW, which moves 17% more bytes: 0.346); at
+T = 1024, 0.519 = 0.80 x (0.326 + 0.319), cuBLAS 0.191. So the loop runs at ~0.58x
+cuBLAS's rate, the epilogue alone is no faster than fused AdamW, and the two overlap by
+only a fifth. Nsight Compute on the T = 1024 kernel (results/kernel_counters.json): DRAM
+at 48% of its peak, tensor pipes active 25% of the time, L2 at 64%: latency, not a
+saturated unit, sets its pace.
 """
 
 from __future__ import annotations

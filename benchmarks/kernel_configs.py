@@ -16,7 +16,11 @@ Prefetching the weight and state tiles into the L2 (``prefetch.global.L2``, no r
 1, 2 or 4 k-steps before the loop ends, or before it (commit 5ad0fd3;
 results/kernel_configs_prefetch.json, bf16 and fp32 states) took 0.84-1.13x the time of
 the same tile without it, and the fastest case by at most 8% (14336x4096, bf16 states,
-T = 4096): not enough to pay for autotuning it, so the kernel does not prefetch.
+T = 4096): not enough to pay for autotuning it, so the kernel does not prefetch. Loading
+the weight and state tiles into registers before the loop (EARLY_LOAD, commit ee7e47e;
+results/kernel_configs_early_load.json, on an H100) took 1.06-1.57x the time of the same
+tile without it: 64x128x64 with 8 warps went from 114 to 182 registers a thread (one
+program an SM instead of two), and 128x128x64 with 16 warps spilled 42; so it was removed.
 
     PYTHONPATH=. python benchmarks/kernel_configs.py [--budget-s 300]
 """
@@ -67,8 +71,8 @@ def _chunked_ms(fused, elements: int, sets: int) -> float:
         config.linear_update_path, linear_update._CHUNK_ELEMENTS = saved_path, saved_elements
 
 
-def config_name(m: int, n: int, k: int, warps: int, stages: int, split: int, early_load: int = 0) -> str:
-    return f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}" + ("_l" if early_load else "")
+def config_name(m: int, n: int, k: int, warps: int, stages: int, split: int) -> str:
+    return f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}"
 
 
 def kernel_candidate_names() -> list[str]:
@@ -79,16 +83,12 @@ def kernel_candidate_names() -> list[str]:
 
 
 def _config(name: str):
-    """``128x128x64_w8_s3_e2`` -> the triton.Config it names; a trailing ``_l``: EARLY_LOAD
-    (the weight and state tiles loaded before the matmul loop)."""
+    """``128x128x64_w8_s3_e2`` -> the triton.Config it names."""
     import triton
 
-    tile, warps, stages, split, *early = name.split("_")
+    tile, warps, stages, split = name.split("_")
     m, n, k = map(int, tile.split("x"))
-    if early not in ([], ["l"]):
-        raise ValueError(f"unknown config suffix in {name!r}: _l (early load) is the only one")
-    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": int(split[1:]),
-                          "EARLY_LOAD": int(bool(early))},
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": int(split[1:])},
                          num_warps=int(warps[1:]), num_stages=int(stages[1:]))  # fmt: skip
 
 
@@ -109,7 +109,6 @@ def compiled_resources() -> dict[str, dict]:
             meta = kernel.metadata
             name = "x".join(str(constants.get(k, "?")) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
             name += f"_w{meta.num_warps}_s{meta.num_stages}_e{constants.get('EPILOGUE_SPLIT', '?')}"
-            name += "_l" if constants.get("EARLY_LOAD") else ""
             out[name] = {"registers": kernel.n_regs, "spills": kernel.n_spills, "shared_bytes": meta.shared}
     return out
 

@@ -32,11 +32,11 @@ from benchmarks.utils import write_result  # noqa: E402
 
 SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis", "Occupancy", "LaunchStats",
             "WarpStateStats", "SchedulerStats"]  # fmt: skip
-KERNELS = "regex:_fused_linear_update_kernel|nvjet|gemm|adam"
-SUMMARY = [  # raw metric names printed per launch (all that ncu reported go to the result file)
-    "gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes_read.sum",
-    "dram__bytes_write.sum", "lts__t_bytes.sum", "lts__throughput.avg.pct_of_peak_sustained_elapsed",
-    "sm__throughput.avg.pct_of_peak_sustained_elapsed", "launch__registers_per_thread",
+KERNELS = "regex:_fused_linear_update_kernel|nvjet|gemm|adam|multi_tensor_apply"
+SUMMARY = [  # raw metric names (Hopper) printed per launch; all that ncu reported go to the result file
+    "gpu__time_duration.sum", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes.sum.per_second",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed", "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread",
     "launch__occupancy_limit_registers", "sm__warps_active.avg.pct_of_peak_sustained_active",
     "smsp__average_warp_latency_per_inst_issued.ratio",
 ]  # fmt: skip
@@ -88,10 +88,9 @@ def _parse(text: str) -> list[dict]:
 
 
 def _summary(launch: dict) -> dict:
-    """The SUMMARY metrics, the tensor pipes' use and the five largest stall reasons."""
+    """The SUMMARY metrics and the five largest stall reasons."""
     plain = {key.split(" [")[0]: value for key, value in launch.items()}
     out = {name: plain[name] for name in SUMMARY if name in plain}
-    out.update({k: v for k, v in plain.items() if "tensor" in k and k.endswith("pct_of_peak_sustained_active")})
     stalls = {}
     for key, value in plain.items():
         if key.startswith(STALLS) and key.endswith("per_issue_active.ratio"):

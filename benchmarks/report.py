@@ -282,6 +282,51 @@ def kernel_configs_section() -> list[str]:
     return lines
 
 
+def kernel_anatomy_section() -> list[str]:
+    """Where the fused kernel's time goes (results/kernel_anatomy.json), with Nsight
+    Compute's utilisation figures (results/kernel_counters.json) where they were read."""
+    data = _result("kernel_anatomy")
+    if data is None:
+        return []
+    env = data["environment"]
+    lines = [
+        f"**Where the fused kernel's time goes** ({env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+        f"{env['date'][:10]}; `{env['command']}`; raw data `benchmarks/results/kernel_anatomy.json`). GPU time alone "
+        "(CUDA-graph replays), bf16 weights and AdamW states: the full kernel, its matmul loop alone, its epilogue "
+        "alone (T = 16), beside cuBLAS's dW and torch's fused AdamW alone. Times in ms.",
+        "",
+        "| weight | T | config | full | matmul loop | epilogue | full / (loop + epilogue) | cuBLAS dW | fused AdamW |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        for name, t in r["configs"].items():
+            lines.append(f"| {r['M']}x{r['N']} | {r['T']} | {name} | {t['full_ms']:.3f} | {t['mainloop_ms']:.3f} | "
+                         f"{t['epilogue_ms']:.3f} | {t['full_over_parts_sum']:.2f} | {r['cublas_mm_ms']:.3f} | "
+                         f"{r['fused_adamw_ms']:.3f} |")  # fmt: skip
+    counters = _result("kernel_counters")
+    if counters:
+        env = counters["environment"]
+        lines += ["", f"Nsight Compute, one cold launch each ({env['gpu']}; `{env['command']}`; raw data "
+                  "`benchmarks/results/kernel_counters.json`):", "",
+                  "| weight | T | kernel | duration | DRAM % of peak | L2 % of peak | tensor pipes active | "
+                  "registers a thread |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in counters["rows"]:
+            m = {key.split(" [")[0]: value for key, value in r["metrics"].items()}
+            if "gpu__time_duration.sum" not in m:
+                continue
+            microseconds = float(m["gpu__time_duration.sum"].replace(",", "")) / 1e3
+            lines.append(f"| {r['M']}x{r['N']} | {r['T']} | {r['config']} | {microseconds:.0f} us | "
+                         f"{m.get('gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed', 'n/a')} | "
+                         f"{m.get('lts__throughput.avg.pct_of_peak_sustained_elapsed', 'n/a')} | "
+                         f"{m.get('sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active', 'n/a')} | "
+                         f"{m.get('launch__registers_per_thread', 'n/a')} |")  # fmt: skip
+        if any(r["config"].endswith("_l") for r in counters["rows"]):
+            lines += ["", "A config name ending in `_l` is the variant that loaded the weight and state tiles into "
+                      "registers before the matmul loop: measured slower and removed (benchmarks/kernel_configs.py "
+                      "says by how much)."]  # fmt: skip
+    return lines
+
+
 def _gib(n) -> str:
     return f"{n / 2**30:.1f} GiB" if n else "n/a"
 
@@ -335,7 +380,8 @@ def step_section() -> list[str]:
 
 def render() -> str:
     sections = [hf_llama_section(), memory_section(), every_rule_section(), mixed_models_section(), convergence_section(),
-                quantization_section(), step_section(), kernel_configs_section(), kernel_section()]  # fmt: skip
+                quantization_section(), step_section(), kernel_configs_section(), kernel_anatomy_section(),
+                kernel_section()]  # fmt: skip
     body = [line for section in sections for line in section + [""]]
     return "\n".join([BEGIN, "", *body, END])
 

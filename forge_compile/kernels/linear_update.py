@@ -109,7 +109,7 @@ def _fused_linear_update_kernel(
     O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, CLAMP_MIN: tl.constexpr, CLAMP_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr, EARLY_LOAD: tl.constexpr = 0,
+    EPILOGUE_SPLIT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -130,26 +130,6 @@ def _fused_linear_update_kernel(
         rk = rk.to(tl.int64)
     mask_m = rm < M
     mask_n = rn < N
-
-    # EARLY_LOAD: the weight and state tiles are requested before the matmul loop and wait in
-    # registers (storage dtype), so that their DRAM traffic overlaps the loop's tensor-core
-    # work instead of following it.
-    tl.static_assert(not EARLY_LOAD or (not QUANTIZED and EPILOGUE_SPLIT <= 2), "EARLY_LOAD: plain states, split 1 or 2")
-    SLICE: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
-    # Without EARLY_LOAD the epilogue loads the tiles itself; these names are placeholders.
-    w_a, s0_a, s1_a, s2_a, w_b, s0_b, s1_b, s2_b = rm, rm, rm, rm, rm, rm, rm, rm
-    if EARLY_LOAD:
-        w_a, s0_a, s1_a, s2_a = _load_columns(
-            rm, pid_n * BLOCK_N, mask_m, N, w_ptr, s0_ptr, s1_ptr, s2_ptr,
-            stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-            HAS_S0, HAS_S1, HAS_S2, INDEX_64, SLICE,
-        )  # fmt: skip
-        if EPILOGUE_SPLIT == 2:
-            w_b, s0_b, s1_b, s2_b = _load_columns(
-                rm, pid_n * BLOCK_N + SLICE, mask_m, N, w_ptr, s0_ptr, s1_ptr, s2_ptr,
-                stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-                HAS_S0, HAS_S1, HAS_S2, INDEX_64, SLICE,
-            )  # fmt: skip
 
     if GRADIENT_GIVEN:
         # The chunked path: ``a`` is an fp32 gradient block [M, N] that cuBLAS just wrote.
@@ -196,7 +176,6 @@ def _fused_linear_update_kernel(
             stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
             QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
             HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, BLOCK_M, BLOCK_N,
-            w_a, s0_a, s1_a, s2_a, EARLY_LOAD,
         )  # fmt: skip
     elif EPILOGUE_SPLIT == 2:
         _update_column_halves(
@@ -206,7 +185,6 @@ def _fused_linear_update_kernel(
             stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
             QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
             HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, BLOCK_M, BLOCK_N,
-            w_a, s0_a, s1_a, s2_a, w_b, s0_b, s1_b, s2_b, EARLY_LOAD,
         )  # fmt: skip
     else:
         HALF: tl.constexpr = BLOCK_N // 2
@@ -218,7 +196,6 @@ def _fused_linear_update_kernel(
             stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
             QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
             HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, BLOCK_M, HALF,
-            w_a, s0_a, s1_a, s2_a, w_b, s0_b, s1_b, s2_b, False,
         )  # fmt: skip
         _update_column_halves(
             right, rm, pid_n * BLOCK_N + HALF, mask_m, N, first_row, rounding_seed, step, coefficients,
@@ -227,7 +204,6 @@ def _fused_linear_update_kernel(
             stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
             QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
             HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, BLOCK_M, HALF,
-            w_a, s0_a, s1_a, s2_a, w_b, s0_b, s1_b, s2_b, False,
         )  # fmt: skip
 
 
@@ -248,10 +224,8 @@ def _update_column_halves(
     HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
     O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr, INDEX_64: tl.constexpr,
     ROWS: tl.constexpr, COLUMNS: tl.constexpr,
-    w_a, s0_a, s1_a, s2_a, w_b, s0_b, s1_b, s2_b, PRELOADED: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_update_columns` on the left, then the right half of the columns ``column0``
-    onwards (with ``PRELOADED``, their tiles are ``*_a`` and ``*_b``)."""
+    """:func:`_update_columns` on the left, then the right half of the columns ``column0`` onwards."""
     HALF: tl.constexpr = COLUMNS // 2
     left, right = _column_halves(acc, ROWS, COLUMNS)
     _update_columns(
@@ -261,7 +235,6 @@ def _update_column_halves(
         stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
         QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
         HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, ROWS, HALF,
-        w_a, s0_a, s1_a, s2_a, PRELOADED,
     )  # fmt: skip
     _update_columns(
         right, rm, column0 + HALF, mask_m, N, first_row, rounding_seed, step, coefficients,
@@ -270,33 +243,7 @@ def _update_column_halves(
         stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
         QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
         HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, ROWS, HALF,
-        w_b, s0_b, s1_b, s2_b, PRELOADED,
     )  # fmt: skip
-
-
-@triton.jit
-def _load_columns(
-    rm, column0, mask_m, N, w_ptr, s0_ptr, s1_ptr, s2_ptr,
-    stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr, INDEX_64: tl.constexpr, COLUMNS: tl.constexpr,
-):  # fmt: skip
-    """The weight and state tiles of rows ``rm``, ``COLUMNS`` columns from ``column0``, as
-    stored (an inactive state's slot holds the weight, which the rule ignores)."""
-    rn = column0 + tl.arange(0, COLUMNS)
-    if INDEX_64:
-        rn = rn.to(tl.int64)
-    mask = mask_m[:, None] & (rn < N)[None, :]
-    w = tl.load(w_ptr + rm[:, None] * stride_wm + rn[None, :] * stride_wn, mask=mask, other=0.0)
-    s0 = w
-    s1 = w
-    s2 = w
-    if HAS_S0:
-        s0 = tl.load(s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n, mask=mask, other=0.0)
-    if HAS_S1:
-        s1 = tl.load(s1_ptr + rm[:, None] * stride_s1m + rn[None, :] * stride_s1n, mask=mask, other=0.0)
-    if HAS_S2:
-        s2 = tl.load(s2_ptr + rm[:, None] * stride_s2m + rn[None, :] * stride_s2n, mask=mask, other=0.0)
-    return w, s0, s1, s2
 
 
 @triton.jit
@@ -310,11 +257,10 @@ def _update_columns(
     HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
     O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr, INDEX_64: tl.constexpr,
     ROWS: tl.constexpr, COLUMNS: tl.constexpr,
-    w_loaded, s0_loaded, s1_loaded, s2_loaded, PRELOADED: tl.constexpr,
 ):  # fmt: skip
     """The rule on the gradient ``acc`` of the weight's rows ``rm`` and its ``COLUMNS``
     columns from ``column0`` (a whole number of 8-bit blocks when ``QUANTIZED``): load the
-    weight and states (unless ``PRELOADED``: then they are ``*_loaded``), update, store."""
+    weight and states, update, store."""
     rn = column0 + tl.arange(0, COLUMNS)
     if INDEX_64:
         rn = rn.to(tl.int64)
@@ -323,16 +269,16 @@ def _update_columns(
     s0_ptrs = s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n
     s1_ptrs = s1_ptr + rm[:, None] * stride_s1m + rn[None, :] * stride_s1n
     s2_ptrs = s2_ptr + rm[:, None] * stride_s2m + rn[None, :] * stride_s2n
-    if not PRELOADED:
-        w_loaded, s0_loaded, s1_loaded, s2_loaded = _load_columns(
-            rm, column0, mask_m, N, w_ptr, s0_ptr, s1_ptr, s2_ptr,
-            stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-            HAS_S0, HAS_S1, HAS_S2, INDEX_64, COLUMNS,
-        )  # fmt: skip
-    w = w_loaded.to(tl.float32)
-    s0 = s0_loaded.to(tl.float32)
-    s1 = s1_loaded.to(tl.float32)
-    s2 = s2_loaded.to(tl.float32)
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    s0 = w
+    s1 = w
+    s2 = w
+    if HAS_S0:
+        s0 = tl.load(s0_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_S1:
+        s1 = tl.load(s1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_S2:
+        s2 = tl.load(s2_ptrs, mask=mask, other=0.0).to(tl.float32)
     if QUANTIZED:
         # 8-bit states: the columns are whole 64-column blocks, so this program owns their scales.
         blocks: tl.constexpr = COLUMNS // QUANT_BLOCK

@@ -4,8 +4,6 @@ On the CPU these run under TRITON_INTERPRET=1 (tests/conftest.py sets it). The
 interpreter's bf16 tl.dot is wrong, so bf16 operands are tested on the GPU only.
 """
 
-import itertools
-
 import pytest
 import torch
 
@@ -115,15 +113,10 @@ def test_kernel_rejects_mismatched_shapes():
                             [w.clone(), w.clone()], torch.tensor(1.0, device=DEVICE), hyper, (1, 0, 0, 0))  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "split, early",
-    [(1, 0), (2, 0), (4, 0), (1, 1), (2, 1)],
-    ids=["whole-tile", "split-epilogue", "quartered-epilogue", "whole-tile-early-load", "split-epilogue-early-load"],
-)
-def test_tile_configs_match_float64_reference(split, early):
+@pytest.mark.parametrize("split", [1, 2, 4], ids=["whole-tile", "split-epilogue", "quartered-epilogue"])
+def test_tile_configs_match_float64_reference(split):
     """An explicit tile config, with the rule on the whole tile or on its two or four
-    column slices in turn, the weight and states loaded after the matmul loop or before it
-    (EARLY_LOAD), computes Adam: several tiles and edge tiles on both axes."""
+    column slices in turn, computes Adam: several tiles and edge tiles on both axes."""
     import triton
 
     from forge_compile.kernels import linear_update
@@ -137,8 +130,8 @@ def test_tile_configs_match_float64_reference(split, early):
     hyper = [torch.tensor(h, dtype=torch.float64, device=DEVICE) for h in (lr, beta1, beta2, eps, wd)]
     ref_w, ref_m, ref_v, _ = _reference(w, m, v, v, grad_output_t.double() @ x.double(), step, lr, beta1, beta2, eps,
                                         wd, (1, 0, 0, 1))  # fmt: skip
-    tile = triton.Config({"BLOCK_M": block, "BLOCK_N": block, "BLOCK_K": 16, "GROUP_M": 2, "EPILOGUE_SPLIT": split,
-                          "EARLY_LOAD": early}, num_warps=4 if ON_GPU else 1)  # fmt: skip
+    tile = triton.Config({"BLOCK_M": block, "BLOCK_N": block, "BLOCK_K": 16, "GROUP_M": 2, "EPILOGUE_SPLIT": split},
+                         num_warps=4 if ON_GPU else 1)  # fmt: skip
     states = [m.clone(), v.clone()]
     with linear_update.only_config(tile):
         fused_linear_update(rules.get("adam"), w, grad_output_t, x, states, torch.tensor(step, device=DEVICE), hyper,
@@ -151,8 +144,7 @@ def test_tile_configs_match_float64_reference(split, early):
 @pytest.mark.skipif(not ON_GPU, reason="the GPU's tile configs (16 warps, 64-column halves) compile for CUDA only")
 @pytest.mark.parametrize("tile", GPU_TILES, ids=lambda t: "{}x{}x{}_w{}_s{}".format(*t))
 def test_every_gpu_candidate_config_matches_float64_reference(tile):
-    """Each of the autotuner's GPU candidates (bf16 operands, fp32 weight and states), with
-    the weight and states loaded after the matmul loop and before it (EARLY_LOAD), on a
+    """Each of the autotuner's GPU candidates (bf16 operands, fp32 weight and states) on a
     weight of several tiles with edge tiles on both axes, against float64."""
     import triton
 
@@ -168,9 +160,9 @@ def test_every_gpu_candidate_config_matches_float64_reference(tile):
     hyper = [torch.tensor(h, dtype=torch.float64, device=DEVICE) for h in (lr, beta1, beta2, eps, wd)]
     ref_w, ref_m, ref_v, _ = _reference(w, m1, v1, v1, grad_output_t.double() @ x.double(), step, lr, beta1, beta2,
                                         eps, wd, (1, 0, 0, 1))  # fmt: skip
-    for split, early in itertools.product(linear_update.EPILOGUE_SPLITS, (0, 1)):
-        config = triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split,
-                                "EARLY_LOAD": early}, num_warps=warps, num_stages=stages)  # fmt: skip
+    for split in linear_update.EPILOGUE_SPLITS:
+        config = triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split},
+                               num_warps=warps, num_stages=stages)  # fmt: skip
         weight, states = w.clone(), [m1.clone(), v1.clone()]
         with linear_update.only_config(config):
             fused_linear_update(rules.get("adam"), weight, grad_output_t, x, states, torch.tensor(step, device=DEVICE),
