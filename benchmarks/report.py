@@ -324,6 +324,14 @@ def kernel_anatomy_section() -> list[str]:
             lines += ["", "A config name ending in `_l` is the variant that loaded the weight and state tiles into "
                       "registers before the matmul loop: measured slower and removed (benchmarks/kernel_configs.py "
                       "says by how much)."]  # fmt: skip
+    sass = _result("kernel_sass")
+    if sass:
+        per = {(r["rule"], tuple(r["options"]), r["rounding"]): r["per_element_over_plain_sgd"] for r in sass["rows"]}
+        lines += ["", f"SASS instructions a weight element costs in the epilogue, over plain SGD's, for sm_90 "
+                  f"(`{sass['environment']['command']}`, triton {sass['environment']['triton']}, counted without a "
+                  f"GPU; raw data `benchmarks/results/kernel_sass.json`): "
+                  + ", ".join(f"{rule} {list(options)} {rounding} {value:.1f}"
+                              for (rule, options, rounding), value in per.items() if value > 0) + "."]  # fmt: skip
     return lines
 
 

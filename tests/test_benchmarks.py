@@ -63,3 +63,21 @@ def test_kernel_counters_reads_ncu_raw_csv():
     assert list(first["top_stalls"]) == ["long_scoreboard", "barrier"]
     assert list(second["top_stalls"]) == ["barrier", "long_scoreboard"]
     assert _parse("==PROF== no kernels were profiled") == []
+
+
+def test_kernel_sass_counts_the_rule_on_the_cpu():
+    """benchmarks/kernel_sass.py compiles the fused kernel for sm_90 without a GPU and counts
+    its SASS (in a process of its own: the tests' kernels are interpreted): Adam's
+    epilogue costs more instructions than plain SGD's."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parent.parent
+    code = ("from benchmarks.kernel_sass import sass_instructions\n"
+            "tile = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EPILOGUE_SPLIT=2)\n"
+            "print(sass_instructions('sgd', (0, 0, 0, 0), False, tile, 8, 4),"
+            " sass_instructions('adam', (1, 0, 0, 1), False, tile, 8, 4))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**env, "PYTHONPATH": str(root)})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sgd, adam = map(int, proc.stdout.split()[-2:])
+    assert 0 < sgd < adam
