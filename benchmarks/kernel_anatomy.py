@@ -21,7 +21,12 @@ T = 1024, 0.519 = 0.80 x (0.326 + 0.319), cuBLAS 0.191. So the loop runs at ~0.5
 cuBLAS's rate, the epilogue alone is no faster than fused AdamW, and the two overlap by
 only a fifth. Nsight Compute on the T = 1024 kernel (results/kernel_counters.json): DRAM
 at 48% of its peak, tensor pipes active 25% of the time, L2 at 64%: latency, not a
-saturated unit, sets its pace.
+saturated unit, sets its pace. With Adam's IEEE division and square root made approximate
+(a trial edit of rules/adam.py, not kept; results/kernel_anatomy_approximate_adam.json,
+another H100 the same day, baseline 0.446 against 0.447 ms): the full kernel 0.369 / 0.477
+ms at T = 512 / 1024 against 0.395 / 0.519, the epilogue alone 0.312 against 0.321. The
+epilogue alone is bound by memory, and its instruction count shows where it shares the
+SM with the loop.
 """
 
 from __future__ import annotations
