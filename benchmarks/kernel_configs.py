@@ -107,8 +107,8 @@ def compiled_resources() -> dict[str, dict]:
                 index = key[0] if isinstance(key, tuple) else key
                 constants[arg_names[index] if isinstance(index, int) else index] = value
             meta = kernel.metadata
-            name = "x".join(str(constants.get(k, "?")) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-            name += f"_w{meta.num_warps}_s{meta.num_stages}_e{constants.get('EPILOGUE_SPLIT', '?')}"
+            name = config_name(*(constants.get(k, "?") for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")), meta.num_warps,
+                               meta.num_stages, constants.get("EPILOGUE_SPLIT", "?"))  # fmt: skip
             out[name] = {"registers": kernel.n_regs, "spills": kernel.n_spills, "shared_bytes": meta.shared}
     return out
 

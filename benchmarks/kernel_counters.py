@@ -8,7 +8,7 @@ duration, DRAM and L2 bytes and throughput, tensor-pipe use, occupancy and regis
 why warps stall. ncu replays each kernel with its memory restored and its caches flushed,
 so the figures are of one cold launch (kernel.py's timings rotate warm inputs instead).
 
-    PYTHONPATH=. python benchmarks/kernel_counters.py --configs 64x128x64_w8_s4_e2,64x128x64_w8_s4_e2_l
+    PYTHONPATH=. python benchmarks/kernel_counters.py --configs 64x128x64_w8_s4_e2,128x128x64_w16_s4_e2
     # writes results/kernel_counters.json: one row per launch, every metric ncu reported
 """
 
