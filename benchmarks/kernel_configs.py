@@ -71,24 +71,27 @@ def _chunked_ms(fused, elements: int, sets: int) -> float:
         config.linear_update_path, linear_update._CHUNK_ELEMENTS = saved_path, saved_elements
 
 
-def config_name(m: int, n: int, k: int, warps: int, stages: int, split: int) -> str:
-    return f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}"
+def config_name(m: int, n: int, k: int, warps: int, stages: int, split: int, ahead: bool = False) -> str:
+    """``_e4a``: the rule on column quarters, the next quarter's tiles loaded ahead."""
+    return f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}{'a' if ahead else ''}"
 
 
 def kernel_candidate_names() -> list[str]:
     """The fused kernel's own autotuning candidates on the GPU."""
-    from forge_compile.kernels.linear_update import EPILOGUE_SPLITS, GPU_TILES
+    from forge_compile.kernels.linear_update import EPILOGUES, GPU_TILES
 
-    return [config_name(*tile, split) for tile in GPU_TILES for split in EPILOGUE_SPLITS]
+    return [config_name(*tile, *epilogue) for tile in GPU_TILES for epilogue in EPILOGUES]
 
 
 def _config(name: str):
-    """``128x128x64_w8_s3_e2`` -> the triton.Config it names."""
+    """``128x128x64_w8_s3_e2`` (or ``..._e4a``) -> the triton.Config it names."""
     import triton
 
     tile, warps, stages, split = name.split("_")
     m, n, k = map(int, tile.split("x"))
-    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": int(split[1:])},
+    ahead = split.endswith("a")
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8,
+                          "EPILOGUE_SPLIT": int(split[1:].rstrip("a")), "EPILOGUE_AHEAD": ahead},
                          num_warps=int(warps[1:]), num_stages=int(stages[1:]))  # fmt: skip
 
 
@@ -108,7 +111,10 @@ def compiled_resources() -> dict[str, dict]:
                 constants[arg_names[index] if isinstance(index, int) else index] = value
             meta = kernel.metadata
             name = config_name(*(constants.get(k, "?") for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")), meta.num_warps,
-                               meta.num_stages, constants.get("EPILOGUE_SPLIT", "?"))  # fmt: skip
+                               meta.num_stages, constants.get("EPILOGUE_SPLIT", "?"),
+                               bool(constants.get("EPILOGUE_AHEAD", False)))  # fmt: skip
+            if constants.get("ROUND_STOCHASTIC"):
+                name += " stochastic"
             out[name] = {"registers": kernel.n_regs, "spills": kernel.n_spills, "shared_bytes": meta.shared}
     return out
 
@@ -134,6 +140,9 @@ def main() -> int:
                         help="comma-separated block sizes (elements) at which to time the chunked path too")
     parser.add_argument("--states", default="bf16", help="state dtypes, comma-separated: bf16, fp32")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--rounding", default="nearest",
+                        help="weight rounding, comma-separated: nearest, stochastic (forge's default for bf16 "
+                             "weights in a training step; the baseline rounds to nearest either way)")
     parser.add_argument("--shapes", default=None, help="MxN,... (default: %s)" % ",".join(f"{m}x{n}" for m, n in SHAPES))
     args = parser.parse_args()
     from forge_compile import rules
@@ -154,8 +163,9 @@ def main() -> int:
         tqdm = lambda x, **_: x  # noqa: E731
     tokens = [int(t) for t in args.tokens.split(",")]
     state_names = args.states.split(",")
-    cases = [(M, N, states, T) for M, N in shapes for states in state_names for T in tokens]
-    for M, N, states, T in tqdm(cases, desc="cases", file=sys.stdout):
+    roundings = args.rounding.split(",")
+    cases = [(M, N, states, T, r) for M, N in shapes for states in state_names for T in tokens for r in roundings]
+    for M, N, states, T, rounding in tqdm(cases, desc="cases", file=sys.stdout):
         if time.perf_counter() - started > args.budget_s:
             break
         state_dtype = STATE_DTYPES[states]
@@ -170,9 +180,10 @@ def main() -> int:
 
         def fused(i):
             w, dy, x, m, v = inputs[i]
-            linear_update.fused_linear_update(rule, w, dy.t(), x, [m, v], step, hyper, (1, 0, 0, 1))
+            linear_update.fused_linear_update(rule, w, dy.t(), x, [m, v], step, hyper, (1, 0, 0, 1),
+                                              rounding_seed=1234 if rounding == "stochastic" else None)  # fmt: skip
 
-        row = {"M": M, "N": N, "T": T, "states": states, "baseline_ms": _quick_ms(baseline, sets),
+        row = {"M": M, "N": N, "T": T, "states": states, "rounding": rounding, "baseline_ms": _quick_ms(baseline, sets),
                "cublas_matmul_ms": _quick_ms(matmul, sets), "configs_ms": {}}  # fmt: skip
         for name, kernel_config in configs:
             if name in failures:
@@ -188,7 +199,7 @@ def main() -> int:
         best = min(row["configs_ms"], key=row["configs_ms"].get)
         row.update(best=best, best_ms=row["configs_ms"][best], speedup=row["baseline_ms"] / row["configs_ms"][best])
         rows.append(row)
-        print(f"{M}x{N} {states} T={T}: baseline {row['baseline_ms']:.3f} cuBLAS mm {row['cublas_matmul_ms']:.3f} "
+        print(f"{M}x{N} {states} {rounding} T={T}: baseline {row['baseline_ms']:.3f} cuBLAS mm {row['cublas_matmul_ms']:.3f} "
               f"best {best} {row['best_ms']:.3f} ({row['speedup']:.2f}x)", flush=True)
         write_result(args.output_name, {"rows": rows, "failures": failures})
         inputs = baseline = None  # freed before the next case allocates
