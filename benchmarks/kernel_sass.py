@@ -19,6 +19,7 @@ the same rule with approximate ones compiled to 36.8 instructions per element in
 75.8 (a trial edit of rules/adam.py, not kept).
 
     PYTHONPATH=. python benchmarks/kernel_sass.py      # writes results/kernel_sass.json
+    PYTHONPATH=. python benchmarks/kernel_sass.py --resources kernel   # results/kernel_resources.json
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ _UNIT_STRIDES = ("stride_wn", "stride_s0n", "stride_s1n", "stride_s2n", "stride_
 _ALIGNED = ("M", "N", "K", "stride_wm", "stride_s0m", "stride_s1m", "stride_s2m", "stride_ak", "stride_bk")
 
 
-def sass_instructions(rule: str, options: tuple, stochastic: bool, tile: dict, warps: int, stages: int) -> int:
-    """The SASS instruction count of the fused kernel for ``rule``, bf16 weight, states
-    and operands, strides as a contiguous launch specialises them."""
+def compiled_cubin(rule: str, options: tuple, stochastic: bool, tile: dict, warps: int, stages: int):
+    """The fused kernel for ``rule`` compiled for sm_90: (cubin bytes, shared memory bytes).
+    bf16 weight, states and operands, strides as a contiguous launch specialises them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -75,12 +76,43 @@ def sass_instructions(rule: str, options: tuple, stochastic: bool, tile: dict, w
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})  # fmt: skip
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps, "num_stages": stages})  # fmt: skip
+    return kernel.asm["cubin"], kernel.metadata.shared
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    import triton
+
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as folder:
-        cubin = Path(folder) / "kernel.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True)
-    return sum(1 for line in sass.stdout.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line))
+        path = Path(folder) / "kernel.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([str(cuobjdump), flag, str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def sass_instructions(rule: str, options: tuple, stochastic: bool, tile: dict, warps: int, stages: int) -> int:
+    """The SASS instruction count of the fused kernel for ``rule`` (see :func:`compiled_cubin`)."""
+    cubin, _ = compiled_cubin(rule, options, stochastic, tile, warps, stages)
+    sass = _cuobjdump(cubin, "-sass")
+    return sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line))
+
+
+# Hopper's per-SM limits: 64K 32-bit registers, allocated per warp in units of 256; 228 KiB
+# of shared memory, of which each program reserves 1 KiB; 64 warps.
+_REGISTERS_PER_SM, _SHARED_PER_SM, _WARPS_PER_SM = 65536, 233472, 64
+
+
+def resources(rule: str, options: tuple, stochastic: bool, tile: dict, warps: int, stages: int) -> dict:
+    """Registers a thread, spill stack, shared memory and how many programs an SM holds."""
+    cubin, shared = compiled_cubin(rule, options, stochastic, tile, warps, stages)
+    usage = _cuobjdump(cubin, "-res-usage")
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = _REGISTERS_PER_SM // (per_warp * warps)
+    by_shared = _SHARED_PER_SM // (shared + 1024)
+    return {"registers": registers, "spill_stack_bytes": stack, "shared_bytes": shared,
+            "programs_per_sm_by_registers": by_registers, "programs_per_sm_by_shared": by_shared,
+            "programs_per_sm": min(by_registers, by_shared, _WARPS_PER_SM // warps)}  # fmt: skip
 
 
 def main() -> int:
@@ -88,8 +120,14 @@ def main() -> int:
     parser.add_argument("--tile", default="64x128x64", help="BLOCK_MxBLOCK_NxBLOCK_K")
     parser.add_argument("--warps", type=int, default=8)
     parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--resources", default=None, metavar="CONFIGS",
+                        help="instead: registers, spills, shared memory and programs an SM of these configs "
+                             "(kernel_configs.py names; \"kernel\": the autotuning candidates), AdamW with "
+                             "round-to-nearest and stochastic rounding -> results/kernel_resources.json")
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)  # compiled, not interpreted
+    if args.resources:
+        return _resources_main(args.resources)
     m, n, k = map(int, args.tile.split("x"))
     tile = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, EPILOGUE_SPLIT=2)
     elements_per_thread = m * n / (32 * args.warps)
@@ -106,6 +144,23 @@ def main() -> int:
     write_result("kernel_sass", {"tile": args.tile, "warps": args.warps, "stages": args.stages,
                                  "reference": "sgd without momentum, round-to-nearest",
                                  "reference_instructions": reference, "rows": rows})  # fmt: skip
+    return 0
+
+
+def _resources_main(spec: str) -> int:
+    from benchmarks.kernel_configs import candidates
+
+    rows = []
+    for name, config in candidates(spec):
+        for stochastic in (False, True):
+            row = {"config": name, "rule": "adamw", "rounding": "stochastic" if stochastic else "nearest",
+                   **resources("adam", (1, 0, 0, 1), stochastic, dict(config.kwargs), config.num_warps,
+                               config.num_stages)}  # fmt: skip
+            rows.append(row)
+            print(f"{name:26} {row['rounding']:10} {row['registers']:4} registers, spill stack "
+                  f"{row['spill_stack_bytes']:3} B, shared {row['shared_bytes'] // 1024:4} KiB, "
+                  f"{row['programs_per_sm']} programs an SM", flush=True)
+    write_result("kernel_resources", {"target": "sm_90", "rows": rows})
     return 0
 
 
