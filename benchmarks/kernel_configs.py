@@ -21,6 +21,17 @@ the weight and state tiles into registers before the loop (EARLY_LOAD, commit ee
 results/kernel_configs_early_load.json, on an H100) took 1.06-1.57x the time of the same
 tile without it: 64x128x64 with 8 warps went from 114 to 182 registers a thread (one
 program an SM instead of two), and 128x128x64 with 16 warps spilled 42; so it was removed.
+The rule on column quarters (EPILOGUE_SPLIT=4), alone or with each quarter's weight and
+state tiles loaded before the rule runs on the quarter before it (EPILOGUE_AHEAD, commit
+7030fc7), on an H100 with both roundings (results/kernel_configs_quarters.json,
+``--rounding stochastic,nearest``): stochastic rounding takes 64x128x64 w8 from 114 to 182
+registers with halves (one program an SM; 124 with quarters, results/kernel_resources.json),
+so there the halves tile runs 0.580 ms on 14336x4096 at T = 512 and quarters 0.469, but
+128x128x64 w16 with halves, already a candidate, runs 0.443 (baseline 0.451). Over the 18
+cases the best quartered or loaded-ahead config beat the best halves config by at most 1.4%
+(64x128x64 w8 s3 quarters, 3 programs an SM, T = 1024 round-to-nearest: 0.499 against
+0.506), and loading ahead never won: so the candidates keep halves and EPILOGUE_AHEAD was
+removed.
 
     PYTHONPATH=. python benchmarks/kernel_configs.py [--budget-s 300]
 """
@@ -71,27 +82,24 @@ def _chunked_ms(fused, elements: int, sets: int) -> float:
         config.linear_update_path, linear_update._CHUNK_ELEMENTS = saved_path, saved_elements
 
 
-def config_name(m: int, n: int, k: int, warps: int, stages: int, split: int, ahead: bool = False) -> str:
-    """``_e4a``: the rule on column quarters, the next quarter's tiles loaded ahead."""
-    return f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}{'a' if ahead else ''}"
+def config_name(m: int, n: int, k: int, warps: int, stages: int, split: int) -> str:
+    return f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}"
 
 
 def kernel_candidate_names() -> list[str]:
     """The fused kernel's own autotuning candidates on the GPU."""
-    from forge_compile.kernels.linear_update import EPILOGUES, GPU_TILES
+    from forge_compile.kernels.linear_update import EPILOGUE_SPLITS, GPU_TILES
 
-    return [config_name(*tile, *epilogue) for tile in GPU_TILES for epilogue in EPILOGUES]
+    return [config_name(*tile, split) for tile in GPU_TILES for split in EPILOGUE_SPLITS]
 
 
 def _config(name: str):
-    """``128x128x64_w8_s3_e2`` (or ``..._e4a``) -> the triton.Config it names."""
+    """``128x128x64_w8_s3_e2`` -> the triton.Config it names."""
     import triton
 
     tile, warps, stages, split = name.split("_")
     m, n, k = map(int, tile.split("x"))
-    ahead = split.endswith("a")
-    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8,
-                          "EPILOGUE_SPLIT": int(split[1:].rstrip("a")), "EPILOGUE_AHEAD": ahead},
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": int(split[1:])},
                          num_warps=int(warps[1:]), num_stages=int(stages[1:]))  # fmt: skip
 
 
@@ -111,8 +119,7 @@ def compiled_resources() -> dict[str, dict]:
                 constants[arg_names[index] if isinstance(index, int) else index] = value
             meta = kernel.metadata
             name = config_name(*(constants.get(k, "?") for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")), meta.num_warps,
-                               meta.num_stages, constants.get("EPILOGUE_SPLIT", "?"),
-                               bool(constants.get("EPILOGUE_AHEAD", False)))  # fmt: skip
+                               meta.num_stages, constants.get("EPILOGUE_SPLIT", "?"))  # fmt: skip
             if constants.get("ROUND_STOCHASTIC"):
                 name += " stochastic"
             out[name] = {"registers": kernel.n_regs, "spills": kernel.n_spills, "shared_bytes": meta.shared}

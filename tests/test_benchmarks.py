@@ -74,10 +74,18 @@ def test_kernel_sass_counts_the_rule_on_the_cpu():
     code = ("from benchmarks.kernel_sass import sass_instructions\n"
             "tile = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EPILOGUE_SPLIT=2)\n"
             "print(sass_instructions('sgd', (0, 0, 0, 0), False, tile, 8, 4),"
-            " sass_instructions('adam', (1, 0, 0, 1), False, tile, 8, 4))")  # fmt: skip
+            " sass_instructions('adam', (1, 0, 0, 1), False, tile, 8, 4))\n"
+            "from benchmarks.kernel_sass import resources\n"
+            "print(*resources('adam', (1, 0, 0, 1), False, tile, 8, 4).values())")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
                           env={**env, "PYTHONPATH": str(root)})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    sgd, adam = map(int, proc.stdout.split()[-2:])
+    counts, usage = proc.stdout.strip().splitlines()[-2:]
+    sgd, adam = map(int, counts.split())
     assert 0 < sgd < adam
+    # registers, spill stack, shared memory: 4 stages of 64x64 + 64x128 bf16 operand tiles;
+    # programs an SM by registers, by shared memory, overall
+    registers, _, shared, by_registers, by_shared, programs = map(int, usage.split())
+    assert 32 < registers <= 255 and shared >= 4 * (64 * 64 + 64 * 128) * 2
+    assert by_shared == 233472 // (shared + 1024) and programs == min(by_registers, by_shared) >= 1

@@ -40,9 +40,7 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 GPU_TILES = [(128, 128, 64, 16, 4), (64, 128, 64, 8, 4), (128, 128, 64, 8, 4)]
 """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the GPU's candidates, the first the
 untuned default; see _configs."""
-EPILOGUES = [(2, False), (4, False), (4, True)]
-"""(EPILOGUE_SPLIT, EPILOGUE_AHEAD) of the GPU's candidates: the rule on the tile's column
-halves or quarters in turn, the next quarter's tiles loaded ahead or not."""
+EPILOGUE_SPLITS = [2]
 
 
 def _configs():
@@ -63,15 +61,19 @@ def _configs():
     # against 0.430 for the best 8-warp tile), 128x128x64 with 8 warps from T = 4096 up, and
     # 128x128x64 with 16 warps within 1.21x of the best in every case: the untuned default.
     # The rule on the whole tile at once (EPILOGUE_SPLIT=1) spills registers; in the first
-    # sweep it was faster in 1 case of 16, by 0.6%.
-    shapes, epilogues = GPU_TILES, EPILOGUES
+    # sweep it was faster in 1 case of 16, by 0.6%. Stochastic rounding (the default for bf16
+    # weights) takes 64x128x64 w8 to 182 registers (one program an SM), and the tuner then
+    # picks 128x128x64 w16; column quarters, with or without the next quarter loaded ahead,
+    # were at most 1.4% faster than the best of these in 18 cases on an H100
+    # (results/kernel_configs_quarters.json, kernel_resources.json).
+    shapes, splits = GPU_TILES, EPILOGUE_SPLITS
     if not config.autotune:
-        shapes, epilogues = shapes[:1], epilogues[:1]
+        shapes, splits = shapes[:1], splits[:1]
     return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split,
-                       "EPILOGUE_AHEAD": ahead}, num_warps=w, num_stages=s)  # fmt: skip
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split},
+                      num_warps=w, num_stages=s)  # fmt: skip
         for m, n, k, w, s in shapes
-        for split, ahead in epilogues
+        for split in splits
     ]
 
 
@@ -111,7 +113,7 @@ def _fused_linear_update_kernel(
     O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, CLAMP_MIN: tl.constexpr, CLAMP_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr, EPILOGUE_AHEAD: tl.constexpr = False,
+    EPILOGUE_SPLIT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -170,17 +172,7 @@ def _fused_linear_update_kernel(
     # The rule runs on EPILOGUE_SPLIT column slices of the tile in turn: the weight, state
     # and temporary tiles of one slice are live at a time, not of the whole tile.
     tl.static_assert(EPILOGUE_SPLIT == 1 or EPILOGUE_SPLIT == 2 or EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT is 1, 2 or 4")
-    tl.static_assert(not EPILOGUE_AHEAD or EPILOGUE_SPLIT == 4, "EPILOGUE_AHEAD runs on quarters: EPILOGUE_SPLIT=4")
-    if EPILOGUE_AHEAD:
-        _update_quarters_ahead(
-            acc, rm, pid_n * BLOCK_N, mask_m, N, first_row, rounding_seed, step, coefficients,
-            w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
-            stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-            stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
-            QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
-            HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-    elif EPILOGUE_SPLIT == 1:
+    if EPILOGUE_SPLIT == 1:
         _update_columns(
             acc, rm, pid_n * BLOCK_N, mask_m, N, first_row, rounding_seed, step, coefficients,
             w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
@@ -273,113 +265,6 @@ def _update_columns(
     """The rule on the gradient ``acc`` of the weight's rows ``rm`` and its ``COLUMNS``
     columns from ``column0`` (a whole number of 8-bit blocks when ``QUANTIZED``): load the
     weight and states, update, store."""
-    w, s0, s1, s2 = _load_columns(
-        rm, column0, mask_m, N, w_ptr, s0_ptr, s1_ptr, s2_ptr,
-        stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-        HAS_S0, HAS_S1, HAS_S2, INDEX_64, COLUMNS,
-    )  # fmt: skip
-    _update_loaded_columns(
-        acc, w, s0, s1, s2, rm, column0, mask_m, N, first_row, rounding_seed, step, coefficients,
-        w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
-        stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-        stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
-        QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
-        HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, ROWS, COLUMNS,
-    )  # fmt: skip
-
-
-@triton.jit
-def _update_quarters_ahead(
-    acc, rm, column0, mask_m, N, first_row, rounding_seed, step, coefficients,
-    w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
-    stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-    stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
-    QUANTIZED: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
-    ROUND_STOCHASTIC: tl.constexpr, QUANT_BLOCK: tl.constexpr, ELEMENTWISE: tl.constexpr,
-    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
-    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr, INDEX_64: tl.constexpr,
-    ROWS: tl.constexpr, COLUMNS: tl.constexpr,
-):  # fmt: skip
-    """The rule on the tile's four column quarters in turn, each quarter's weight and state
-    tiles requested before the rule runs on the quarter before it: their memory latency
-    overlaps the previous quarter's arithmetic, for one extra quarter of loaded tiles in
-    registers (EARLY_LOAD's whole tile ahead cost 68 registers: results/kernel_configs_early_load.json)."""
-    HALF: tl.constexpr = COLUMNS // 2
-    QUARTER: tl.constexpr = COLUMNS // 4
-    left, right = _column_halves(acc, ROWS, COLUMNS)
-    g0, g1 = _column_halves(left, ROWS, HALF)
-    g2, g3 = _column_halves(right, ROWS, HALF)
-    loaded = _load_columns(
-        rm, column0, mask_m, N, w_ptr, s0_ptr, s1_ptr, s2_ptr,
-        stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-        HAS_S0, HAS_S1, HAS_S2, INDEX_64, QUARTER,
-    )  # fmt: skip
-    for quarter in tl.static_range(4):
-        g = g0
-        if quarter == 1:
-            g = g1
-        elif quarter == 2:
-            g = g2
-        elif quarter == 3:
-            g = g3
-        following = loaded
-        if quarter < 3:
-            following = _load_columns(
-                rm, column0 + (quarter + 1) * QUARTER, mask_m, N, w_ptr, s0_ptr, s1_ptr, s2_ptr,
-                stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-                HAS_S0, HAS_S1, HAS_S2, INDEX_64, QUARTER,
-            )  # fmt: skip
-        w, s0, s1, s2 = loaded
-        _update_loaded_columns(
-            g, w, s0, s1, s2, rm, column0 + quarter * QUARTER, mask_m, N, first_row, rounding_seed, step,
-            coefficients, w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
-            stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-            stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
-            QUANTIZED, SIGNED0, SIGNED1, SIGNED2, ROUND_STOCHASTIC, QUANT_BLOCK, ELEMENTWISE,
-            HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, INDEX_64, ROWS, QUARTER,
-        )  # fmt: skip
-        loaded = following
-
-
-@triton.jit
-def _load_columns(
-    rm, column0, mask_m, N, w_ptr, s0_ptr, s1_ptr, s2_ptr,
-    stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr, INDEX_64: tl.constexpr,
-    COLUMNS: tl.constexpr,
-):  # fmt: skip
-    """The weight and state tiles (8-bit codes when quantized) of rows ``rm`` and ``COLUMNS``
-    columns from ``column0``, as stored; an absent state is the weight, never read."""
-    rn = column0 + tl.arange(0, COLUMNS)
-    if INDEX_64:
-        rn = rn.to(tl.int64)
-    mask = mask_m[:, None] & (rn < N)[None, :]
-    w = tl.load(w_ptr + rm[:, None] * stride_wm + rn[None, :] * stride_wn, mask=mask, other=0.0)
-    s0 = w
-    s1 = w
-    s2 = w
-    if HAS_S0:
-        s0 = tl.load(s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n, mask=mask, other=0.0)
-    if HAS_S1:
-        s1 = tl.load(s1_ptr + rm[:, None] * stride_s1m + rn[None, :] * stride_s1n, mask=mask, other=0.0)
-    if HAS_S2:
-        s2 = tl.load(s2_ptr + rm[:, None] * stride_s2m + rn[None, :] * stride_s2n, mask=mask, other=0.0)
-    return w, s0, s1, s2
-
-
-@triton.jit
-def _update_loaded_columns(
-    acc, w, s0, s1, s2, rm, column0, mask_m, N, first_row, rounding_seed, step, coefficients,
-    w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
-    stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-    stride_q0m, stride_q0n, stride_q1m, stride_q1n, stride_q2m, stride_q2n,
-    QUANTIZED: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
-    ROUND_STOCHASTIC: tl.constexpr, QUANT_BLOCK: tl.constexpr, ELEMENTWISE: tl.constexpr,
-    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
-    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr, INDEX_64: tl.constexpr,
-    ROWS: tl.constexpr, COLUMNS: tl.constexpr,
-):  # fmt: skip
-    """The rule on ``acc`` and the tiles :func:`_load_columns` gave for the same columns; stores."""
     rn = column0 + tl.arange(0, COLUMNS)
     if INDEX_64:
         rn = rn.to(tl.int64)
@@ -388,10 +273,16 @@ def _update_loaded_columns(
     s0_ptrs = s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n
     s1_ptrs = s1_ptr + rm[:, None] * stride_s1m + rn[None, :] * stride_s1n
     s2_ptrs = s2_ptr + rm[:, None] * stride_s2m + rn[None, :] * stride_s2n
-    w = w.to(tl.float32)
-    s0 = s0.to(tl.float32)
-    s1 = s1.to(tl.float32)
-    s2 = s2.to(tl.float32)
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    s0 = w
+    s1 = w
+    s2 = w
+    if HAS_S0:
+        s0 = tl.load(s0_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_S1:
+        s1 = tl.load(s1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_S2:
+        s2 = tl.load(s2_ptrs, mask=mask, other=0.0).to(tl.float32)
     if QUANTIZED:
         # 8-bit states: the columns are whole 64-column blocks, so this program owns their scales.
         blocks: tl.constexpr = COLUMNS // QUANT_BLOCK

@@ -113,12 +113,10 @@ def test_kernel_rejects_mismatched_shapes():
                             [w.clone(), w.clone()], torch.tensor(1.0, device=DEVICE), hyper, (1, 0, 0, 0))  # fmt: skip
 
 
-@pytest.mark.parametrize("split, ahead", [(1, False), (2, False), (4, False), (4, True)],
-                         ids=["whole-tile", "split-epilogue", "quartered-epilogue", "quarters-loaded-ahead"])
-def test_tile_configs_match_float64_reference(split, ahead):
+@pytest.mark.parametrize("split", [1, 2, 4], ids=["whole-tile", "split-epilogue", "quartered-epilogue"])
+def test_tile_configs_match_float64_reference(split):
     """An explicit tile config, with the rule on the whole tile or on its two or four
-    column slices in turn (the next quarter's tiles loaded ahead or not), computes Adam:
-    several tiles and edge tiles on both axes."""
+    column slices in turn, computes Adam: several tiles and edge tiles on both axes."""
     import triton
 
     from forge_compile.kernels import linear_update
@@ -132,8 +130,8 @@ def test_tile_configs_match_float64_reference(split, ahead):
     hyper = [torch.tensor(h, dtype=torch.float64, device=DEVICE) for h in (lr, beta1, beta2, eps, wd)]
     ref_w, ref_m, ref_v, _ = _reference(w, m, v, v, grad_output_t.double() @ x.double(), step, lr, beta1, beta2, eps,
                                         wd, (1, 0, 0, 1))  # fmt: skip
-    tile = triton.Config({"BLOCK_M": block, "BLOCK_N": block, "BLOCK_K": 16, "GROUP_M": 2, "EPILOGUE_SPLIT": split,
-                          "EPILOGUE_AHEAD": ahead}, num_warps=4 if ON_GPU else 1)  # fmt: skip
+    tile = triton.Config({"BLOCK_M": block, "BLOCK_N": block, "BLOCK_K": 16, "GROUP_M": 2, "EPILOGUE_SPLIT": split},
+                         num_warps=4 if ON_GPU else 1)  # fmt: skip
     states = [m.clone(), v.clone()]
     with linear_update.only_config(tile):
         fused_linear_update(rules.get("adam"), w, grad_output_t, x, states, torch.tensor(step, device=DEVICE), hyper,
@@ -162,9 +160,9 @@ def test_every_gpu_candidate_config_matches_float64_reference(tile):
     hyper = [torch.tensor(h, dtype=torch.float64, device=DEVICE) for h in (lr, beta1, beta2, eps, wd)]
     ref_w, ref_m, ref_v, _ = _reference(w, m1, v1, v1, grad_output_t.double() @ x.double(), step, lr, beta1, beta2,
                                         eps, wd, (1, 0, 0, 1))  # fmt: skip
-    for split, ahead in linear_update.EPILOGUES:
-        config = triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split,
-                                "EPILOGUE_AHEAD": ahead}, num_warps=warps, num_stages=stages)  # fmt: skip
+    for split in linear_update.EPILOGUE_SPLITS:
+        config = triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split},
+                               num_warps=warps, num_stages=stages)  # fmt: skip
         weight, states = w.clone(), [m1.clone(), v1.clone()]
         with linear_update.only_config(config):
             fused_linear_update(rules.get("adam"), weight, grad_output_t, x, states, torch.tensor(step, device=DEVICE),
