@@ -32,6 +32,12 @@ cases the best quartered or loaded-ahead config beat the best halves config by a
 (64x128x64 w8 s3 quarters, 3 programs an SM, T = 1024 round-to-nearest: 0.499 against
 0.506), and loading ahead never won: so the candidates keep halves and EPILOGUE_AHEAD was
 removed.
+Capping registers (a name ending in ``_r128``: ptxas's maxnreg) took 64x128x64 w8 with
+stochastic rounding from 162 registers (one program an SM) to 128 without spilling, and
+from 0.575 to 0.406 ms on 14336x4096 at T = 512 (on an H100, baseline 0.453; rounding to
+nearest: 0.395 and 0.394; results/kernel_configs_registers.json), so that candidate is
+capped. A cap of 80 registers, for three programs an SM with 3 stages, spilled 34-44
+registers and took 0.460-0.494 ms there.
 
     PYTHONPATH=. python benchmarks/kernel_configs.py [--budget-s 300]
 """
@@ -82,25 +88,29 @@ def _chunked_ms(fused, elements: int, sets: int) -> float:
         config.linear_update_path, linear_update._CHUNK_ELEMENTS = saved_path, saved_elements
 
 
-def config_name(m: int, n: int, k: int, warps: int, stages: int, split: int) -> str:
-    return f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}"
+def config_name(m: int, n: int, k: int, warps: int, stages: int, split: int, registers: int | None = None) -> str:
+    """``128x128x64_w8_s3_e2``; ``_r128`` at the end caps ptxas at 128 registers a thread."""
+    return f"{m}x{n}x{k}_w{warps}_s{stages}_e{split}" + (f"_r{registers}" if registers else "")
 
 
 def kernel_candidate_names() -> list[str]:
     """The fused kernel's own autotuning candidates on the GPU."""
     from forge_compile.kernels.linear_update import EPILOGUE_SPLITS, GPU_TILES
 
-    return [config_name(*tile, split) for tile in GPU_TILES for split in EPILOGUE_SPLITS]
+    return [config_name(*tile[:5], split, tile[5]) for tile in GPU_TILES for split in EPILOGUE_SPLITS]
 
 
 def _config(name: str):
-    """``128x128x64_w8_s3_e2`` -> the triton.Config it names."""
+    """``128x128x64_w8_s3_e2`` or ``64x128x64_w8_s4_e2_r128`` -> the triton.Config it names."""
     import triton
 
-    tile, warps, stages, split = name.split("_")
+    tile, warps, stages, split, *registers = name.split("_")
+    if len(registers) > 1 or any(not r.startswith("r") for r in registers):
+        raise ValueError(f"config name {name!r} is not MxNxK_wW_sS_eE[_rR]")
     m, n, k = map(int, tile.split("x"))
     return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": int(split[1:])},
-                         num_warps=int(warps[1:]), num_stages=int(stages[1:]))  # fmt: skip
+                         num_warps=int(warps[1:]), num_stages=int(stages[1:]),
+                         maxnreg=int(registers[0][1:]) if registers else None)  # fmt: skip
 
 
 def compiled_resources() -> dict[str, dict]:
@@ -119,7 +129,7 @@ def compiled_resources() -> dict[str, dict]:
                 constants[arg_names[index] if isinstance(index, int) else index] = value
             meta = kernel.metadata
             name = config_name(*(constants.get(k, "?") for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")), meta.num_warps,
-                               meta.num_stages, constants.get("EPILOGUE_SPLIT", "?"))  # fmt: skip
+                               meta.num_stages, constants.get("EPILOGUE_SPLIT", "?"), getattr(meta, "maxnreg", None))  # fmt: skip
             if constants.get("ROUND_STOCHASTIC"):
                 name += " stochastic"
             out[name] = {"registers": kernel.n_regs, "spills": kernel.n_spills, "shared_bytes": meta.shared}

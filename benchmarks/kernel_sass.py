@@ -46,9 +46,11 @@ _UNIT_STRIDES = ("stride_wn", "stride_s0n", "stride_s1n", "stride_s2n", "stride_
 _ALIGNED = ("M", "N", "K", "stride_wm", "stride_s0m", "stride_s1m", "stride_s2m", "stride_ak", "stride_bk")
 
 
-def compiled_cubin(rule: str, options: tuple, stochastic: bool, tile: dict, warps: int, stages: int):
+def compiled_cubin(rule: str, options: tuple, stochastic: bool, tile: dict, warps: int, stages: int,
+                   registers: int | None = None):  # fmt: skip
     """The fused kernel for ``rule`` compiled for sm_90: (cubin bytes, shared memory bytes).
-    bf16 weight, states and operands, strides as a contiguous launch specialises them."""
+    bf16 weight, states and operands, strides as a contiguous launch specialises them;
+    ``registers`` caps ptxas's registers a thread (the config's maxnreg)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -75,7 +77,7 @@ def compiled_cubin(rule: str, options: tuple, stochastic: bool, tile: dict, warp
     source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})  # fmt: skip
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": stages})  # fmt: skip
+                            options={"num_warps": warps, "num_stages": stages, "maxnreg": registers})  # fmt: skip
     return kernel.asm["cubin"], kernel.metadata.shared
 
 
@@ -101,9 +103,10 @@ def sass_instructions(rule: str, options: tuple, stochastic: bool, tile: dict, w
 _REGISTERS_PER_SM, _SHARED_PER_SM, _WARPS_PER_SM = 65536, 233472, 64
 
 
-def resources(rule: str, options: tuple, stochastic: bool, tile: dict, warps: int, stages: int) -> dict:
+def resources(rule: str, options: tuple, stochastic: bool, tile: dict, warps: int, stages: int,
+              registers: int | None = None) -> dict:  # fmt: skip
     """Registers a thread, spill stack, shared memory and how many programs an SM holds."""
-    cubin, shared = compiled_cubin(rule, options, stochastic, tile, warps, stages)
+    cubin, shared = compiled_cubin(rule, options, stochastic, tile, warps, stages, registers)
     usage = _cuobjdump(cubin, "-res-usage")
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
@@ -155,7 +158,7 @@ def _resources_main(spec: str) -> int:
         for stochastic in (False, True):
             row = {"config": name, "rule": "adamw", "rounding": "stochastic" if stochastic else "nearest",
                    **resources("adam", (1, 0, 0, 1), stochastic, dict(config.kwargs), config.num_warps,
-                               config.num_stages)}  # fmt: skip
+                               config.num_stages, config.maxnreg)}  # fmt: skip
             rows.append(row)
             print(f"{name:26} {row['rounding']:10} {row['registers']:4} registers, spill stack "
                   f"{row['spill_stack_bytes']:3} B, shared {row['shared_bytes'] // 1024:4} KiB, "

@@ -228,15 +228,16 @@ def kernel_section() -> list[str]:
 
 def _candidate_rows() -> list[dict]:
     """results/kernel_configs.json per case, with the best of the kernel's candidates
-    (what autotuning picks) and, from kernel.json's ceilings measured on the same GPU
-    model, the floor."""
+    (what autotuning picks) and the floor, from kernel.json's ceilings where kernel.py ran
+    on the same GPU model."""
     from benchmarks.kernel import minimum_bytes
     from benchmarks.kernel_configs import kernel_candidate_names
 
     data, kernel = _result("kernel_configs"), _result("kernel")
     if data is None:
         return []
-    ceilings = kernel["summary"]["ceilings"] if kernel else None
+    same_gpu = kernel is not None and kernel["environment"]["gpu"] == data["environment"]["gpu"]
+    ceilings = kernel["summary"]["ceilings"] if same_gpu else None
     candidates = kernel_candidate_names()
     rows = []
     for r in data["rows"]:
@@ -266,16 +267,19 @@ def kernel_configs_section() -> list[str]:
         f"**The current kernel, dW + AdamW, bf16 weights and states** ({env['gpu']}, torch {env['torch']}, triton "
         f"{env['triton']}, {env['date'][:10]}; `{env['command']}`; raw data `benchmarks/results/kernel_configs.json`). "
         "Each tile config timed alone; forge is the fastest of the kernel's autotuning candidates, as the autotuner "
-        "picks it. The floor uses the ceilings measured by kernel.py on the same GPU model. Times in ms.",
+        "picks it; the weight is rounded to nearest or stochastically (forge's default for bf16 weights in a "
+        "training step; the baseline rounds to nearest). The floor uses the ceilings that kernel.py measured on the "
+        "same GPU model (n/a: kernel.json is from another GPU). Times in ms.",
         "",
-        "| weight | T | baseline | cuBLAS dW alone | forge | config | floor | speedup | forge / floor |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| weight | T | rounding | baseline | cuBLAS dW alone | forge | config | floor | speedup | forge / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         floor = f"{r['floor_ms']:.3f} | " if "floor_ms" in r else "n/a | "
         over = f"{r['forge_over_floor']:.2f}" if "floor_ms" in r else "n/a"
-        lines.append(f"| {r['M']}x{r['N']} | {r['T']} | {r['baseline_ms']:.3f} | {r['cublas_matmul_ms']:.3f} | "
-                     f"{r['forge_ms']:.3f} | {r['candidate']} | {floor}{r['speedup']:.2f}x | {over} |")  # fmt: skip
+        lines.append(f"| {r['M']}x{r['N']} | {r['T']} | {r.get('rounding', 'nearest')} | {r['baseline_ms']:.3f} | "
+                     f"{r['cublas_matmul_ms']:.3f} | {r['forge_ms']:.3f} | {r['candidate']} | {floor}"
+                     f"{r['speedup']:.2f}x | {over} |")  # fmt: skip
     faster = [r for r in rows if r["speedup"] > 1]
     lines += ["", f"forge is faster than cuBLAS + fused AdamW in {len(faster)} of {len(rows)} cases; range "
               f"{min(r['speedup'] for r in rows):.2f}x to {max(r['speedup'] for r in rows):.2f}x."]  # fmt: skip
@@ -412,8 +416,11 @@ def h200_summary() -> dict:
                 summary[key] = data["summary"][key]
         rows = data["rows"]
         summary["kernel_cases_faster_than_baseline"] = f"{sum(r['speedup'] > 1 for r in rows)} of {len(rows)}"
-    candidates = _candidate_rows()
-    if candidates:
+    candidates = [r for r in _candidate_rows() if r.get("rounding", "nearest") == "nearest"]
+    candidates_gpu = _result("kernel_configs")["environment"]["gpu"] if candidates else ""
+    if candidates and "H200" not in candidates_gpu:
+        summary["kernel_candidates_not_in_summary"] = f"results/kernel_configs.json ran on an {candidates_gpu}"
+    elif candidates:
         largest = max(candidates, key=lambda r: r["M"] * r["N"])
         for T in (512, 1024):
             hits = [r for r in candidates if (r["M"], r["N"], r["T"]) == (largest["M"], largest["N"], T)]

@@ -76,12 +76,13 @@ def test_kernel_sass_counts_the_rule_on_the_cpu():
             "print(sass_instructions('sgd', (0, 0, 0, 0), False, tile, 8, 4),"
             " sass_instructions('adam', (1, 0, 0, 1), False, tile, 8, 4))\n"
             "from benchmarks.kernel_sass import resources\n"
-            "print(*resources('adam', (1, 0, 0, 1), False, tile, 8, 4).values())")  # fmt: skip
+            "print(*resources('adam', (1, 0, 0, 1), False, tile, 8, 4).values())\n"
+            "print(resources('adam', (1, 0, 0, 1), True, tile, 8, 4, registers=96)['registers'])")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
                           env={**env, "PYTHONPATH": str(root)})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    counts, usage = proc.stdout.strip().splitlines()[-2:]
+    counts, usage, capped = proc.stdout.strip().splitlines()[-3:]
     sgd, adam = map(int, counts.split())
     assert 0 < sgd < adam
     # registers, spill stack, shared memory: 4 stages of 64x64 + 64x128 bf16 operand tiles;
@@ -89,3 +90,17 @@ def test_kernel_sass_counts_the_rule_on_the_cpu():
     registers, _, shared, by_registers, by_shared, programs = map(int, usage.split())
     assert 32 < registers <= 255 and shared >= 4 * (64 * 64 + 64 * 128) * 2
     assert by_shared == 233472 // (shared + 1024) and programs == min(by_registers, by_shared) >= 1
+    assert int(capped) <= 96  # a config's register cap reaches ptxas
+
+
+def test_kernel_config_names_round_trip_with_a_register_cap():
+    pytest.importorskip("triton")
+    from benchmarks.kernel_configs import _config, config_name, kernel_candidate_names
+
+    capped = _config("64x128x64_w8_s4_e2_r128")
+    assert (capped.maxnreg, capped.num_warps, capped.num_stages, capped.kwargs["EPILOGUE_SPLIT"]) == (128, 8, 4, 2)
+    assert _config("128x128x64_w16_s4_e2").maxnreg is None
+    assert config_name(64, 128, 64, 8, 4, 2, 128) == "64x128x64_w8_s4_e2_r128"
+    assert all(_config(name) for name in kernel_candidate_names())
+    with pytest.raises(ValueError, match="MxNxK_wW_sS_eE"):
+        _config("64x128x64_w8_s4_e2_x3")

@@ -37,9 +37,9 @@ from ..rules.storage import (
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-GPU_TILES = [(128, 128, 64, 16, 4), (64, 128, 64, 8, 4), (128, 128, 64, 8, 4)]
-"""(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the GPU's candidates, the first the
-untuned default; see _configs."""
+GPU_TILES = [(128, 128, 64, 16, 4, None), (64, 128, 64, 8, 4, 128), (128, 128, 64, 8, 4, None)]
+"""(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, registers a thread or None: ptxas's choice) of
+the GPU's candidates, the first the untuned default; see _configs."""
 EPILOGUE_SPLITS = [2]
 
 
@@ -62,17 +62,23 @@ def _configs():
     # 128x128x64 with 16 warps within 1.21x of the best in every case: the untuned default.
     # The rule on the whole tile at once (EPILOGUE_SPLIT=1) spills registers; in the first
     # sweep it was faster in 1 case of 16, by 0.6%. Stochastic rounding (the default for bf16
-    # weights) takes 64x128x64 w8 to 182 registers (one program an SM), and the tuner then
-    # picks 128x128x64 w16; column quarters, with or without the next quarter loaded ahead,
-    # were at most 1.4% faster than the best of these in 18 cases on an H100
-    # (results/kernel_configs_quarters.json, kernel_resources.json).
+    # weights) took 64x128x64 w8 to 182 registers (one program an SM) although it fits in
+    # 128 without spilling: ptxas, given no limit, spreads the rounding's hashes over the
+    # rule. So that candidate is capped at 128 registers (maxnreg), which keeps two programs
+    # an SM with either rounding (benchmarks/kernel_sass.py --resources kernel): on an H100,
+    # 14336x4096 at T = 512 with stochastic rounding, 0.575 -> 0.406 ms (baseline 0.453),
+    # and with rounding to nearest 0.395 -> 0.394 (results/kernel_configs_registers.json;
+    # capped at 80 registers for three programs an SM, it spills and takes 0.494). Column
+    # quarters, with or without the next quarter loaded ahead, were at most 1.4% faster
+    # than the best of the uncapped candidates in 18 cases on an H100
+    # (results/kernel_configs_quarters.json).
     shapes, splits = GPU_TILES, EPILOGUE_SPLITS
     if not config.autotune:
         shapes, splits = shapes[:1], splits[:1]
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split},
-                      num_warps=w, num_stages=s)  # fmt: skip
-        for m, n, k, w, s in shapes
+                      num_warps=w, num_stages=s, maxnreg=registers)  # fmt: skip
+        for m, n, k, w, s, registers in shapes
         for split in splits
     ]
 
@@ -302,7 +308,9 @@ def _update_columns(
     w, s0, s1, s2 = ELEMENTWISE(w, acc, s0, s1, s2, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, O0, O1, O2, O3)
 
     if ROUND_STOCHASTIC:
-        element_index = (rm[:, None] + first_row) * N + rn[None, :]
+        # Spelled from column0, not rn: rn's registers (one a column) would otherwise be
+        # kept alive through the rule to be reused here (182 registers instead of 162).
+        element_index = (rm[:, None] + first_row) * N + column0 + tl.arange(0, COLUMNS)[None, :]
         w = round_bfloat16_stochastically(w, element_index, rounding_key(rounding_seed, step))
     tl.store(w_ptrs, w.to(w_ptr.dtype.element_ty), mask=mask)
     if QUANTIZED:

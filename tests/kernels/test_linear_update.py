@@ -142,7 +142,7 @@ def test_tile_configs_match_float64_reference(split):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the GPU's tile configs (16 warps, 64-column halves) compile for CUDA only")
-@pytest.mark.parametrize("tile", GPU_TILES, ids=lambda t: "{}x{}x{}_w{}_s{}".format(*t))
+@pytest.mark.parametrize("tile", GPU_TILES, ids=lambda t: "{}x{}x{}_w{}_s{}_r{}".format(*t))
 def test_every_gpu_candidate_config_matches_float64_reference(tile):
     """Each of the autotuner's GPU candidates (bf16 operands, fp32 weight and states) on a
     weight of several tiles with edge tiles on both axes, against float64."""
@@ -150,7 +150,7 @@ def test_every_gpu_candidate_config_matches_float64_reference(tile):
 
     from forge_compile.kernels import linear_update
 
-    m, n, k, warps, stages = tile
+    m, n, k, warps, stages, registers = tile
     M, N, T = 2 * m + 37, 3 * n + 5, 4 * k + 9
     w = torch.randn(M, N, device=DEVICE)
     m1, v1 = 0.1 * torch.randn(M, N, device=DEVICE), 0.01 * torch.rand(M, N, device=DEVICE)
@@ -162,7 +162,7 @@ def test_every_gpu_candidate_config_matches_float64_reference(tile):
                                         eps, wd, (1, 0, 0, 1))  # fmt: skip
     for split in linear_update.EPILOGUE_SPLITS:
         config = triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split},
-                               num_warps=warps, num_stages=stages)  # fmt: skip
+                               num_warps=warps, num_stages=stages, maxnreg=registers)  # fmt: skip
         weight, states = w.clone(), [m1.clone(), v1.clone()]
         with linear_update.only_config(config):
             fused_linear_update(rules.get("adam"), weight, grad_output_t, x, states, torch.tensor(step, device=DEVICE),
@@ -170,3 +170,46 @@ def test_every_gpu_candidate_config_matches_float64_reference(tile):
         torch.testing.assert_close(weight.double(), ref_w, atol=2e-6, rtol=0)
         torch.testing.assert_close(states[0].double(), ref_m, atol=2e-6, rtol=1e-3)
         torch.testing.assert_close(states[1].double(), ref_v, atol=2e-7, rtol=1e-3)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the GPU's tile configs (16 warps, 64-column halves) compile for CUDA only")
+@pytest.mark.parametrize("tile", GPU_TILES, ids=lambda t: "{}x{}x{}_w{}_s{}_r{}".format(*t))
+def test_every_gpu_candidate_rounds_stochastically_with_the_torch_paths_bits(tile):
+    """bf16 weight, stochastic rounding: each GPU candidate draws each element's random
+    bits from its row-major index, as the torch path does, on a weight with edge tiles on
+    both axes. Operands in {-1, 0, 1} keep dW exact on both paths, so the fp32 updates
+    agree to an ulp; bits drawn for another element would change about half of the
+    weights that the rounding moves."""
+    import triton
+
+    from forge_compile import ops
+    from forge_compile.config import config
+    from forge_compile.kernels import linear_update
+
+    m, n, k, warps, stages, registers = tile
+    M, N, T = 2 * m + 37, 3 * n + 5, 4 * k + 9
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(M, N, generator=g).to(torch.bfloat16).to(DEVICE)
+    moments = [0.1 * torch.randn(M, N, generator=g).to(DEVICE), 0.01 * torch.rand(M, N, generator=g).to(DEVICE)]
+    grad_output_t = torch.randint(-1, 2, (T, M), generator=g).to(torch.bfloat16).to(DEVICE).t()
+    x = torch.randint(-1, 2, (T, N), generator=g).to(torch.bfloat16).to(DEVICE)
+    step = torch.tensor(3.0, device=DEVICE)
+    hyper = [torch.tensor(h, dtype=torch.float64, device=DEVICE) for h in (1e-3, 0.9, 0.999, 1e-8, 0.1)]
+    kernel_config = triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": 2},
+                                  num_warps=warps, num_stages=stages, maxnreg=registers)  # fmt: skip
+    results = []
+    for kernel in ("triton", "torch"):
+        w, states = weight.clone(), [s.clone() for s in moments]
+        before, config.kernel = config.kernel, kernel
+        try:
+            with linear_update.only_config(kernel_config):
+                ops.fused_linear_update_(w, grad_output_t, x, states, step, hyper, "adam", [1, 0, 0, 1],
+                                         rounding_seed=1234)  # fmt: skip
+        finally:
+            config.kernel = before
+        results.append(w)
+    fused, torch_path = results
+    moved = (torch_path != weight).float().mean().item()
+    differing = (fused != torch_path).float().mean().item()
+    assert moved > 0.05, f"only {moved:.1%} of the weights moved: the test cannot see the rounding's bits"
+    assert differing < 1e-3, f"{differing:.2%} of the weights differ from the torch path's ({moved:.1%} moved)"
