@@ -5,7 +5,8 @@ dispatch (``torch.ops.forge.fused_linear_update_``) and forge's own launcher cod
 (``kernels.linear_update.fused_linear_update``). Runs on any machine; the kernel never
 executes, so no GPU is needed. ``--device cuda`` launches the real kernel on a weight so
 small that its GPU time is a few microseconds: calls per second are then the host's,
-Triton's launch included (results/launch_overhead_cuda.json).
+Triton's launch included (results/launch_overhead_cuda.json), beside the same calls with
+Triton's JIT function launching each time instead of the compiled kernel's launcher.
 
     PYTHONPATH=. python benchmarks/launch_overhead.py [--device cuda]
 """
@@ -33,6 +34,13 @@ class _NoLaunch:
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
+
+
+class _NeverKeeps(dict):
+    """A launch cache that keeps nothing: every launch goes through the JIT function."""
+
+    def __setitem__(self, key, value):
+        pass
 
 
 def _microseconds(fn, calls: int = 3000) -> float:
@@ -72,6 +80,15 @@ def on_gpu() -> int:
         return (time.perf_counter() - start) / calls * 1e6
 
     host_us = min(per_call_us() for _ in range(3))
+    # The same calls with the JIT function launching each time, as before forge kept each
+    # variant's compiled kernel (linear_update._LAUNCHES) to call its launcher directly.
+    from forge_compile.kernels import linear_update
+
+    kept, linear_update._LAUNCHES = linear_update._LAUNCHES, _NeverKeeps()
+    try:
+        through_jit_us = min(per_call_us() for _ in range(3))
+    finally:
+        linear_update._LAUNCHES = kept
     import cProfile
     import io
     import pstats
@@ -80,9 +97,11 @@ def on_gpu() -> int:
     profiler.runcall(per_call_us, 500)
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
-    write_result("launch_overhead_cuda", {"host_us_per_call": host_us, "weight": [256, 256], "tokens": 64,
+    write_result("launch_overhead_cuda", {"host_us_per_call": host_us, "host_us_per_call_through_jit": through_jit_us,
+                                          "weight": [256, 256], "tokens": 64,
                                           "profile_of_500_calls_by_own_time": text.getvalue()[-12000:]})  # fmt: skip
-    print(f"fused_linear_update_ on {torch.cuda.get_device_name()}: {host_us:.1f} us of host time per call")
+    print(f"fused_linear_update_ on {torch.cuda.get_device_name()}: {host_us:.1f} us of host time per call "
+          f"({through_jit_us:.1f} us with the JIT function launching each time)")
     return 0
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime.driver import driver
 
 from .. import rules
 from ..config import config
@@ -338,10 +340,11 @@ def only_config(kernel_config: triton.Config):
     """Launch the fused kernel with ``kernel_config`` alone, untuned, inside the block
     (benchmarks/kernel_configs.py times each candidate this way; the tests run each variant)."""
     saved_configs, saved_cache = _fused_linear_update_kernel.configs, dict(_fused_linear_update_kernel.cache)
-    saved_tuned = dict(_TUNED)
+    saved_tuned, saved_launches = dict(_TUNED), dict(_LAUNCHES)
     _fused_linear_update_kernel.configs = [kernel_config]
     _fused_linear_update_kernel.cache.clear()
     _TUNED.clear()
+    _LAUNCHES.clear()
     try:
         yield
     finally:
@@ -350,6 +353,8 @@ def only_config(kernel_config: triton.Config):
         _fused_linear_update_kernel.cache.update(saved_cache)
         _TUNED.clear()
         _TUNED.update(saved_tuned)
+        _LAUNCHES.clear()
+        _LAUNCHES.update(saved_launches)
 
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -481,29 +486,91 @@ def _launch(rule, weight, a, b, *, states, step, hyperparameters, options, grad_
     # The autotuner's key arguments, and the dtypes that set the kernel's arithmetic.
     tuning_key = (M, N, K, plan.constexprs["RULE_KEY"], quantized_states, plan.constexprs["ROUND_STOCHASTIC"],
                   gradient_given, weight.dtype, a.dtype, s0.dtype)  # fmt: skip
+    # The plan is one cached object per combination of switches: its identity stands for them.
+    variant = (*tuning_key, id(plan), index_64)
     if weight.is_cuda and weight.device.index != torch.cuda.current_device():
         with torch.cuda.device(weight.device):
-            _run_kernel(grid, args, constexprs, tuning_key)
+            _run_kernel(grid, args, constexprs, tuning_key, variant)
     else:
-        _run_kernel(grid, args, constexprs, tuning_key)
+        _run_kernel(grid, args, constexprs, tuning_key, variant)
 
 
 _TUNED: dict[tuple, triton.Config] = {}
 """The autotuner's choice per tuning key, once made (cleared with its cache by only_config)."""
 
 
-def _run_kernel(grid, args, constexprs, tuning_key) -> None:
-    """Launch through the autotuner the first time a tuning key comes, then straight through
-    the JIT function with the config it chose: the autotuner's own bookkeeping (dicts of
-    all ~60 arguments, its cache key) cost more host time per call than forge's launcher:
-    233.5 us of host time per call of the op through the autotuner, 105.8 us past it, on
-    the H200 host (benchmarks/launch_overhead.py --device cuda)."""
+_LAUNCHES: dict[tuple, _CompiledLaunch] = {}
+"""The compiled kernel per variant and argument specialization, once the JIT has launched it."""
+
+
+def _run_kernel(grid, args, constexprs, tuning_key, variant) -> None:
+    """Launch through the autotuner the first time a tuning key comes, then once through the
+    JIT function with the config it chose, then straight through the compiled kernel's
+    launcher. Each layer skipped is host time saved on every fused weight of every step:
+    the autotuner's bookkeeping (dicts of all ~60 arguments, its cache key) took the op
+    from 105.8 to 233.5 us a call on the H200 host, and the JIT function's binder
+    (specializing each argument, then its cache key) about 45 of those 105.8 us
+    (benchmarks/launch_overhead.py --device cuda)."""
     chosen = _TUNED.get(tuning_key)
     if chosen is None:
         _fused_linear_update_kernel[grid](*args, **constexprs)
         _TUNED[tuning_key] = _fused_linear_update_kernel.best_config
-    else:
-        _fused_linear_update_kernel.fn[grid](*args, **constexprs, **chosen.all_kwargs())
+        return
+    key = (variant, args[0].device.index, _specialization(args))
+    launch = _LAUNCHES.get(key)
+    if launch is not None:
+        launch(args)
+        return
+    compiled = _fused_linear_update_kernel.fn[grid](*args, **constexprs, **chosen.all_kwargs())
+    if not _INTERPRETING and compiled is not None:
+        _LAUNCHES[key] = _CompiledLaunch.of(compiled, grid, args, {**constexprs, **chosen.kwargs})
+
+
+_KERNEL_ARGUMENTS = _fused_linear_update_kernel.fn.arg_names
+# The launch's argument layout (see _launch): the tensors (weight, operands, states, scales,
+# step and hyperparameters), M, N, K, the clamp bounds, the two unspecialized ints, strides.
+_TENSORS, _INTS, _UNSPECIALIZED, _STRIDES = slice(0, 18), slice(18, 21), slice(23, 25), slice(25, None)
+assert _KERNEL_ARGUMENTS[_INTS] == ["M", "N", "K"] and _KERNEL_ARGUMENTS[_UNSPECIALIZED] == ["rounding_seed", "first_row"]
+assert _KERNEL_ARGUMENTS[_TENSORS][-1] == "h7_ptr" and _KERNEL_ARGUMENTS[_STRIDES][0] == "stride_wm"
+
+
+def _specialization(args) -> tuple:
+    """What the JIT function specializes a compiled kernel on, or finer: each tensor's dtype
+    and 16-byte alignment, the ints' values (of rounding_seed and first_row, declared
+    do_not_specialize, whether they fit 32 bits). Spelled for speed: it runs every launch
+    (~11 us on a 2-core CPU, where a loop over the arguments took 31)."""
+    tensors = args[_TENSORS]
+    return (
+        tuple([t.dtype for t in tensors]),
+        tuple([t.data_ptr() % 16 == 0 for t in tensors]),
+        args[_INTS],
+        tuple([-(2**31) <= value < 2**31 for value in args[_UNSPECIALIZED]]),
+        args[_STRIDES],
+    )
+
+
+@dataclass(frozen=True)
+class _CompiledLaunch:
+    """A compiled variant of the fused kernel with its grid and constexpr arguments fixed:
+    calling it does what the JIT function does for a launch it has compiled already."""
+
+    kernel: object  # triton.compiler.CompiledKernel
+    grid: tuple[int, int, int]
+    constexpr_values: tuple  # the kernel's arguments after ``args``, in its order
+
+    @classmethod
+    def of(cls, kernel, grid, args, constexprs: dict) -> "_CompiledLaunch":
+        size = grid(constexprs)
+        return cls(kernel, (*size, *(1,) * (3 - len(size))),
+                   tuple(constexprs[name] for name in _KERNEL_ARGUMENTS[len(args):]))  # fmt: skip
+
+    def __call__(self, args) -> None:
+        kernel = self.kernel
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        arguments = (*args, *self.constexpr_values)
+        kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(self.grid, stream, *arguments), knobs.runtime.launch_enter_hook,
+                   knobs.runtime.launch_exit_hook, *arguments)  # fmt: skip
 
 
 @dataclass(frozen=True)

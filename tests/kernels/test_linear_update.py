@@ -213,3 +213,39 @@ def test_every_gpu_candidate_rounds_stochastically_with_the_torch_paths_bits(til
     differing = (fused != torch_path).float().mean().item()
     assert moved > 0.05, f"only {moved:.1%} of the weights moved: the test cannot see the rounding's bits"
     assert differing < 1e-3, f"{differing:.2%} of the weights differ from the torch path's ({moved:.1%} moved)"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled launches exist on the GPU only (the interpreter has none)")
+def test_later_launches_go_straight_to_the_compiled_kernel_and_stay_exact():
+    """A variant's first launch tunes, its second compiles through the JIT function, later
+    ones call the compiled kernel's launcher: every step (new activations each time) matches
+    float64, and an activation view that is not 16-byte aligned, which the JIT function
+    specializes differently, gets a compiled kernel of its own instead of the aligned one."""
+    import triton
+
+    from forge_compile.kernels import linear_update
+
+    M, N, T = 200, 136, 40
+    lr, beta1, beta2, eps, wd = 1e-2, 0.9, 0.999, 1e-8, 0.1
+    hyper = [torch.tensor(h, dtype=torch.float64, device=DEVICE) for h in (lr, beta1, beta2, eps, wd)]
+    weight = torch.randn(M, N, device=DEVICE)
+    states = [torch.zeros(M, N, device=DEVICE), torch.zeros(M, N, device=DEVICE)]
+    m, n, k, warps, stages, registers = GPU_TILES[0]
+    kernel_config = triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": 2},
+                                  num_warps=warps, num_stages=stages, maxnreg=registers)  # fmt: skip
+    with linear_update.only_config(kernel_config):
+        for step in range(1, 7):
+            grad_output_t = torch.randn(T, M, device=DEVICE).to(torch.bfloat16).t()
+            x = torch.randn(T, N, device=DEVICE).to(torch.bfloat16)
+            if step == 5:  # the same values one bf16 element into a buffer: 2-byte aligned
+                x = torch.cat([x.new_zeros(1), x.flatten()])[1:].view(T, N)
+                assert x.data_ptr() % 16 != 0
+            ref_w, ref_m, ref_v, _ = _reference(weight, *states, states[1], grad_output_t.double() @ x.double(),
+                                                float(step), lr, beta1, beta2, eps, wd, (1, 0, 0, 1))  # fmt: skip
+            fused_linear_update(rules.get("adam"), weight, grad_output_t, x, states,
+                                torch.tensor(float(step), device=DEVICE), hyper, (1, 0, 0, 1))  # fmt: skip
+            torch.testing.assert_close(weight.double(), ref_w, atol=2e-6, rtol=0, msg=f"step {step}")
+            torch.testing.assert_close(states[0].double(), ref_m, atol=2e-6, rtol=1e-3, msg=f"step {step}")
+            torch.testing.assert_close(states[1].double(), ref_v, atol=2e-7, rtol=1e-3, msg=f"step {step}")
+            # step 1 tunes; steps 2 (aligned) and 5 (unaligned) compile through the JIT function
+            assert len(linear_update._LAUNCHES) == (0 if step == 1 else 1 if step < 5 else 2), step
