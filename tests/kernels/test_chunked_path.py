@@ -18,12 +18,18 @@ from helpers import ON_GPU, needs_triton
 
 pytestmark = needs_triton
 
-# (rule, options, hyperparameters, state count)
+# (rule, options, hyperparameters, state count, fp32 tolerance against the fused kernel on
+# the GPU: rtol, atol). cuBLAS and the kernel sum the 24 products in different orders:
+# partial sums near 5 differ by a few ulps, and an update that cancels most of a weight
+# (|w| 1 -> 0.03) keeps that absolute error (1.4e-6 measured on the H200). Centered
+# RMSprop divides by sqrt(v - mean(g)^2), which magnifies those ulps: 6 of 15000 values
+# differed by up to 1.5e-5 (relative 5.3e-5) on an H100.
 RULES = [
-    pytest.param("adam", (1, 0, 0, 1), (1e-2, 0.9, 0.999, 1e-8, 0.1), 2, id="adamw"),
-    pytest.param("sgd", (1, 1, 0, 1), (0.1, 0.9, 0.0, 1e-2), 1, id="sgd-nesterov"),
-    pytest.param("rmsprop", (1, 1, 0, 0), (1e-2, 0.99, 1e-8, 0.0, 0.9), 3, id="rmsprop-centered-momentum"),
-]
+    pytest.param("adam", (1, 0, 0, 1), (1e-2, 0.9, 0.999, 1e-8, 0.1), 2, (1e-5, 5e-6), id="adamw"),
+    pytest.param("sgd", (1, 1, 0, 1), (0.1, 0.9, 0.0, 1e-2), 1, (1e-5, 5e-6), id="sgd-nesterov"),
+    pytest.param("rmsprop", (1, 1, 0, 0), (1e-2, 0.99, 1e-8, 0.0, 0.9), 3, (2e-4, 5e-5),
+                 id="rmsprop-centered-momentum"),
+]  # fmt: skip
 STORAGE = [
     pytest.param(torch.float32, False, None, id="fp32"),
     pytest.param(torch.bfloat16, True, 5, id="bf16-sr-int8"),
@@ -69,9 +75,9 @@ def three_blocks(monkeypatch):
 
 
 @pytest.mark.parametrize("weight_dtype, quantized, seed", STORAGE)
-@pytest.mark.parametrize("rule_name, options, hyperparameters, n_states", RULES)
-def test_chunked_path_matches(three_blocks, rule_name, options, hyperparameters, n_states, weight_dtype, quantized,
-                              seed):  # fmt: skip
+@pytest.mark.parametrize("rule_name, options, hyperparameters, n_states, gpu_tolerance", RULES)
+def test_chunked_path_matches(three_blocks, rule_name, options, hyperparameters, n_states, gpu_tolerance,
+                              weight_dtype, quantized, seed):  # fmt: skip
     reference_path = ("triton", "fused") if ON_GPU else ("torch", "auto")
     expected = _update(_problem(rule_name, n_states, weight_dtype, quantized), rule_name, options, hyperparameters,
                        quantized, seed, *reference_path)  # fmt: skip
@@ -86,10 +92,8 @@ def test_chunked_path_matches(three_blocks, rule_name, options, hyperparameters,
             ulp = torch.finfo(torch.bfloat16).eps * e.float().abs().clamp_min(1e-30)
             assert ((a.float() - e.float()).abs() <= ulp * 1.01 + 1e-6).all()
         elif ON_GPU:
-            # cuBLAS and the kernel sum the 24 products in different orders: partial sums
-            # near 5 differ by a few ulps, and an update that cancels most of a weight
-            # (|w| 1 -> 0.03) keeps that absolute error (1.4e-6 measured on the H200).
-            torch.testing.assert_close(a, e, rtol=1e-5, atol=5e-6)
+            rtol, atol = gpu_tolerance
+            torch.testing.assert_close(a, e, rtol=rtol, atol=atol)
         else:
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
 
