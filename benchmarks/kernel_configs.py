@@ -102,15 +102,14 @@ def kernel_candidate_names() -> list[str]:
 
 def _config(name: str):
     """``128x128x64_w8_s3_e2`` or ``64x128x64_w8_s4_e2_r128`` -> the triton.Config it names."""
-    import triton
+    from forge_compile.kernels.linear_update import tile_config
 
     tile, warps, stages, split, *registers = name.split("_")
     if len(registers) > 1 or any(not r.startswith("r") for r in registers):
         raise ValueError(f"config name {name!r} is not MxNxK_wW_sS_eE[_rR]")
     m, n, k = map(int, tile.split("x"))
-    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": int(split[1:])},
-                         num_warps=int(warps[1:]), num_stages=int(stages[1:]),
-                         maxnreg=int(registers[0][1:]) if registers else None)  # fmt: skip
+    cap = int(registers[0][1:]) if registers else None
+    return tile_config((m, n, k, int(warps[1:]), int(stages[1:]), cap), int(split[1:]))
 
 
 def compiled_resources() -> dict[str, dict]:

@@ -77,12 +77,14 @@ def _configs():
     shapes, splits = GPU_TILES, EPILOGUE_SPLITS
     if not config.autotune:
         shapes, splits = shapes[:1], splits[:1]
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split},
-                      num_warps=w, num_stages=s, maxnreg=registers)  # fmt: skip
-        for m, n, k, w, s, registers in shapes
-        for split in splits
-    ]
+    return [tile_config(tile, split) for tile in shapes for split in splits]
+
+
+def tile_config(tile: tuple, split: int) -> triton.Config:
+    """The triton.Config of a GPU_TILES entry with the rule on ``split`` column slices."""
+    m, n, k, warps, stages, registers = tile
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split},
+                         num_warps=warps, num_stages=stages, maxnreg=registers)  # fmt: skip
 
 
 def _configs_for_format(configs, named_args, **kwargs):
@@ -516,13 +518,16 @@ def _run_kernel(grid, args, constexprs, tuning_key, variant) -> None:
         _fused_linear_update_kernel[grid](*args, **constexprs)
         _TUNED[tuning_key] = _fused_linear_update_kernel.best_config
         return
+    if _INTERPRETING:  # no compiled kernel to keep
+        _fused_linear_update_kernel.fn[grid](*args, **constexprs, **chosen.all_kwargs())
+        return
     key = (variant, args[0].device.index, _specialization(args))
     launch = _LAUNCHES.get(key)
     if launch is not None:
         launch(args)
         return
     compiled = _fused_linear_update_kernel.fn[grid](*args, **constexprs, **chosen.all_kwargs())
-    if not _INTERPRETING and compiled is not None:
+    if compiled is not None:
         _LAUNCHES[key] = _CompiledLaunch.of(compiled, grid, args, {**constexprs, **chosen.kwargs})
 
 

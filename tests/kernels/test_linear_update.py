@@ -146,11 +146,9 @@ def test_tile_configs_match_float64_reference(split):
 def test_every_gpu_candidate_config_matches_float64_reference(tile):
     """Each of the autotuner's GPU candidates (bf16 operands, fp32 weight and states) on a
     weight of several tiles with edge tiles on both axes, against float64."""
-    import triton
-
     from forge_compile.kernels import linear_update
 
-    m, n, k, warps, stages, registers = tile
+    m, n, k = tile[:3]
     M, N, T = 2 * m + 37, 3 * n + 5, 4 * k + 9
     w = torch.randn(M, N, device=DEVICE)
     m1, v1 = 0.1 * torch.randn(M, N, device=DEVICE), 0.01 * torch.rand(M, N, device=DEVICE)
@@ -161,10 +159,8 @@ def test_every_gpu_candidate_config_matches_float64_reference(tile):
     ref_w, ref_m, ref_v, _ = _reference(w, m1, v1, v1, grad_output_t.double() @ x.double(), step, lr, beta1, beta2,
                                         eps, wd, (1, 0, 0, 1))  # fmt: skip
     for split in linear_update.EPILOGUE_SPLITS:
-        config = triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": split},
-                               num_warps=warps, num_stages=stages, maxnreg=registers)  # fmt: skip
         weight, states = w.clone(), [m1.clone(), v1.clone()]
-        with linear_update.only_config(config):
+        with linear_update.only_config(linear_update.tile_config(tile, split)):
             fused_linear_update(rules.get("adam"), weight, grad_output_t, x, states, torch.tensor(step, device=DEVICE),
                                 hyper, (1, 0, 0, 1))  # fmt: skip
         torch.testing.assert_close(weight.double(), ref_w, atol=2e-6, rtol=0)
@@ -180,13 +176,11 @@ def test_every_gpu_candidate_rounds_stochastically_with_the_torch_paths_bits(til
     both axes. Operands in {-1, 0, 1} keep dW exact on both paths, so the fp32 updates
     agree to an ulp; bits drawn for another element would change about half of the
     weights that the rounding moves."""
-    import triton
-
     from forge_compile import ops
     from forge_compile.config import config
     from forge_compile.kernels import linear_update
 
-    m, n, k, warps, stages, registers = tile
+    m, n, k = tile[:3]
     M, N, T = 2 * m + 37, 3 * n + 5, 4 * k + 9
     g = torch.Generator().manual_seed(7)
     weight = torch.randn(M, N, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -195,8 +189,7 @@ def test_every_gpu_candidate_rounds_stochastically_with_the_torch_paths_bits(til
     x = torch.randint(-1, 2, (T, N), generator=g).to(torch.bfloat16).to(DEVICE)
     step = torch.tensor(3.0, device=DEVICE)
     hyper = [torch.tensor(h, dtype=torch.float64, device=DEVICE) for h in (1e-3, 0.9, 0.999, 1e-8, 0.1)]
-    kernel_config = triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": 2},
-                                  num_warps=warps, num_stages=stages, maxnreg=registers)  # fmt: skip
+    kernel_config = linear_update.tile_config(tile, 2)
     results = []
     for kernel in ("triton", "torch"):
         w, states = weight.clone(), [s.clone() for s in moments]
@@ -221,8 +214,6 @@ def test_later_launches_go_straight_to_the_compiled_kernel_and_stay_exact():
     ones call the compiled kernel's launcher: every step (new activations each time) matches
     float64, and an activation view that is not 16-byte aligned, which the JIT function
     specializes differently, gets a compiled kernel of its own instead of the aligned one."""
-    import triton
-
     from forge_compile.kernels import linear_update
 
     M, N, T = 200, 136, 40
@@ -230,10 +221,7 @@ def test_later_launches_go_straight_to_the_compiled_kernel_and_stay_exact():
     hyper = [torch.tensor(h, dtype=torch.float64, device=DEVICE) for h in (lr, beta1, beta2, eps, wd)]
     weight = torch.randn(M, N, device=DEVICE)
     states = [torch.zeros(M, N, device=DEVICE), torch.zeros(M, N, device=DEVICE)]
-    m, n, k, warps, stages, registers = GPU_TILES[0]
-    kernel_config = triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "EPILOGUE_SPLIT": 2},
-                                  num_warps=warps, num_stages=stages, maxnreg=registers)  # fmt: skip
-    with linear_update.only_config(kernel_config):
+    with linear_update.only_config(linear_update.tile_config(GPU_TILES[0], 2)):
         for step in range(1, 7):
             grad_output_t = torch.randn(T, M, device=DEVICE).to(torch.bfloat16).t()
             x = torch.randn(T, N, device=DEVICE).to(torch.bfloat16)
