@@ -45,6 +45,7 @@ registers and took 0.460-0.494 ms there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -53,7 +54,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.kernel import (  # noqa: E402
-    BETA1, BETA2, EPS, L2_BYTES, LR, STATE_DTYPES, WEIGHT_DECAY, _inputs, baseline_update, minimum_bytes,
+    BETA1, BETA2, EPS, L2_BYTES, LR, STATE_DTYPES, WEIGHT_DECAY, _graph_median_ms, _inputs, baseline_update,
+    minimum_bytes,
 )  # fmt: skip
 from benchmarks.utils import write_result  # noqa: E402
 
@@ -74,16 +76,21 @@ def _quick_ms(fn, sets: int) -> float:
     return triton.testing.do_bench(lambda: fn(next(counter) % sets), warmup=10, rep=50, return_mode="median")
 
 
-def _chunked_ms(fused, elements: int, sets: int) -> float:
-    """The chunked path with blocks of ``elements`` fp32 gradient elements."""
+def _chunked_ms(fused, elements: int, sets: int, kernel_config=None, gpu_time: bool = False) -> dict:
+    """The chunked path with blocks of ``elements`` fp32 gradient elements, its kernel
+    autotuned or ``kernel_config`` alone: {"ms": CUDA-event median[, "gpu_ms": graph replays]}."""
     from forge_compile.config import config
     from forge_compile.kernels import linear_update
 
     saved_path, saved_elements = config.linear_update_path, linear_update._CHUNK_ELEMENTS
     config.linear_update_path, linear_update._CHUNK_ELEMENTS = "chunked", elements
     try:
-        fused(0)
-        return _quick_ms(fused, sets)
+        with linear_update.only_config(kernel_config) if kernel_config else contextlib.nullcontext():
+            fused(0)
+            out = {"ms": _quick_ms(fused, sets)}
+            if gpu_time:
+                out["gpu_ms"] = _graph_median_ms(fused, sets, replays=10)
+            return out
     finally:
         config.linear_update_path, linear_update._CHUNK_ELEMENTS = saved_path, saved_elements
 
@@ -98,6 +105,13 @@ def kernel_candidate_names() -> list[str]:
     from forge_compile.kernels.linear_update import EPILOGUE_SPLITS, GPU_TILES
 
     return [config_name(*tile[:5], split, tile[5]) for tile in GPU_TILES for split in EPILOGUE_SPLITS]
+
+
+def given_gradient_candidate_names() -> list[str]:
+    """The chunked path's kernel's autotuning candidates on the GPU."""
+    from forge_compile.kernels.linear_update import GIVEN_GRADIENT_TILES
+
+    return [config_name(*tile[:5], 1, tile[5]) for tile in GIVEN_GRADIENT_TILES]
 
 
 def _config(name: str):
@@ -154,6 +168,12 @@ def main() -> int:
     parser.add_argument("--output-name", default="kernel_configs", help="results/NAME.json")
     parser.add_argument("--chunk-elements", default="",
                         help="comma-separated block sizes (elements) at which to time the chunked path too")
+    parser.add_argument("--chunk-configs", default="",
+                        help='configs of the chunked path\'s kernel to time one by one at each --chunk-elements '
+                             '("kernel": its candidates); the autotuned chunked path is timed either way')
+    parser.add_argument("--gpu-time", action="store_true",
+                        help="also time the baseline, the best config and the chunked path from CUDA-graph replays "
+                             "(GPU time alone, no host launch time)")
     parser.add_argument("--states", default="bf16", help="state dtypes, comma-separated: bf16, fp32")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--rounding", default="nearest",
@@ -170,6 +190,10 @@ def main() -> int:
     step = torch.tensor(10.0, device=device)
     configs = candidates(args.configs)
     chunk_sizes = [int(c) for c in args.chunk_elements.split(",") if c]
+    chunk_configs = [] if not args.chunk_configs else [
+        (name, _config(name)) for item in args.chunk_configs.split(",")
+        for name in (given_gradient_candidate_names() if item == "kernel" else [item])
+    ]  # fmt: skip
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
     started = time.perf_counter()
     rows, failures = [], {}
@@ -210,13 +234,24 @@ def main() -> int:
                     row["configs_ms"][name] = _quick_ms(fused, sets)
             except Exception as error:  # out of shared memory or registers: recorded, the others go on
                 failures[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-        for elements in chunk_sizes:  # the chunked path (cuBLAS blocks + the kernel's epilogue), autotuned
-            row.setdefault("chunked_ms", {})[str(elements)] = _chunked_ms(fused, elements, sets)
+        for elements in chunk_sizes:  # the chunked path (cuBLAS blocks + the kernel's epilogue)
+            timed = {"autotuned": _chunked_ms(fused, elements, sets, gpu_time=args.gpu_time)}
+            for name, kernel_config in chunk_configs:
+                timed[name] = _chunked_ms(fused, elements, sets, kernel_config, gpu_time=args.gpu_time)
+            row.setdefault("chunked", {})[str(elements)] = timed
         best = min(row["configs_ms"], key=row["configs_ms"].get)
         row.update(best=best, best_ms=row["configs_ms"][best], speedup=row["baseline_ms"] / row["configs_ms"][best])
+        if args.gpu_time:
+            row["gpu_baseline_ms"] = _graph_median_ms(baseline, sets, replays=10)
+            with linear_update.only_config(dict(configs)[best]):
+                row["gpu_best_ms"] = _graph_median_ms(fused, sets, replays=10)
         rows.append(row)
         print(f"{M}x{N} {states} {rounding} T={T}: baseline {row['baseline_ms']:.3f} cuBLAS mm {row['cublas_matmul_ms']:.3f} "
               f"best {best} {row['best_ms']:.3f} ({row['speedup']:.2f}x)", flush=True)
+        for elements, timed in row.get("chunked", {}).items():
+            print(f"  chunked, blocks of {elements}: " + ", ".join(
+                f"{name} {t['ms']:.3f}" + (f" (GPU {t['gpu_ms']:.3f})" if "gpu_ms" in t else "")
+                for name, t in timed.items()), flush=True)
         write_result(args.output_name, {"rows": rows, "failures": failures})
         inputs = baseline = None  # freed before the next case allocates
         torch.cuda.empty_cache()

@@ -43,6 +43,11 @@ GPU_TILES = [(128, 128, 64, 16, 4, None), (64, 128, 64, 8, 4, 128), (128, 128, 6
 """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, registers a thread or None: ptxas's choice) of
 the GPU's candidates, the first the untuned default; see _configs."""
 EPILOGUE_SPLITS = [2]
+GIVEN_GRADIENT_TILES = [(8, 256, 16, 4, 1, None), (16, 256, 16, 4, 1, None), (4, 256, 16, 4, 1, None),
+                        (8, 256, 16, 8, 1, None), (16, 512, 16, 8, 1, None)]  # fmt: skip
+"""The same, for the chunked path's kernel (``GRADIENT_GIVEN``: the rule on an fp32 gradient
+block cuBLAS wrote, no matmul; BLOCK_K unused, one stage): small tiles of few registers,
+many programs an SM, so that enough loads are in flight to stream the weight and states."""
 
 
 def _configs():
@@ -74,10 +79,15 @@ def _configs():
     # quarters, with or without the next quarter loaded ahead, were at most 1.4% faster
     # than the best of the uncapped candidates in 18 cases on an H100
     # (results/kernel_configs_quarters.json).
-    shapes, splits = GPU_TILES, EPILOGUE_SPLITS
+    shapes, splits, given = GPU_TILES, EPILOGUE_SPLITS, GIVEN_GRADIENT_TILES
     if not config.autotune:
-        shapes, splits = shapes[:1], splits[:1]
-    return [tile_config(tile, split) for tile in shapes for split in splits]
+        shapes, splits, given = shapes[:1], splits[:1], given[:1]
+    return [tile_config(tile, split) for tile in shapes for split in splits] + [tile_config(t, 1) for t in given]
+
+
+def _reads_given_gradient(kernel_config: triton.Config) -> bool:
+    """Whether a candidate is one of GIVEN_GRADIENT_TILES: one stage, no matmul loop to pipeline."""
+    return kernel_config.num_stages == 1
 
 
 def tile_config(tile: tuple, split: int) -> triton.Config:
@@ -88,8 +98,11 @@ def tile_config(tile: tuple, split: int) -> triton.Config:
 
 
 def _configs_for_format(configs, named_args, **kwargs):
-    """8-bit states: tiles (or column halves) of whole 64-column blocks; plain states:
-    every config (the interpreter's smallest only)."""
+    """The candidates of the launch's kind (fused or given gradient) and state format:
+    8-bit states take tiles (or column halves) of whole 64-column blocks; under the
+    interpreter, the smallest. A single config (:func:`only_config`) is used as given."""
+    if len(configs) > 1 and not _INTERPRETING:
+        configs = [c for c in configs if _reads_given_gradient(c) == bool(kwargs.get("GRADIENT_GIVEN"))]
     if kwargs.get("QUANTIZED"):
         return [c for c in configs if c.kwargs["BLOCK_N"] % (storage.QUANT_BLOCK * c.kwargs["EPILOGUE_SPLIT"]) == 0]
     return configs[:1] if _INTERPRETING else configs
@@ -434,6 +447,9 @@ def fused_linear_update(
 
     def chunked():
         rows = _chunk_rows(M, N)
+        if weight.is_cuda and config.overlap_blocks and -(-M // rows) > 1:
+            _overlapped_blocks(update, grad_output_t, input, rows)
+            return
         for start in range(0, M, rows):
             block = slice(start, min(M, start + rows))
             update(_fp32_matmul(grad_output_t[block], input), None, block=block)
@@ -649,6 +665,60 @@ def _fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if _FP32_OUTPUT_MM[0]:
         return torch.mm(a, b, out_dtype=torch.float32)
     return (a @ b).to(torch.float32)
+
+
+def _fp32_matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b`` in fp32 (see :func:`_fp32_matmul`), written into ``out``."""
+    _fp32_matmul(a[:1], b[:, :1])  # learns once whether mm takes out_dtype
+    if _FP32_OUTPUT_MM[0] and a.dtype != torch.float32:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:
+        out.copy_(_fp32_matmul(a, b))
+
+
+# SMs that cuBLAS leaves to the rule while it computes the next block's gradient
+# (torch's sm carveout, which sets cuBLAS's SM count target); see _overlapped_blocks.
+OVERLAP_SM_CARVEOUT = 32
+
+_OVERLAP_STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+
+def _overlapped_blocks(update, grad_output_t: torch.Tensor, input: torch.Tensor, rows: int) -> None:
+    """The chunked path with block i's rule running beside block i+1's cuBLAS matmul: the
+    matmuls on a high-priority stream with OVERLAP_SM_CARVEOUT SMs left free, the rule's
+    kernel on another stream, filling the SMs the matmul leaves. Two gradient buffers take
+    turns: block i+2's matmul waits until the rule of block i has read its buffer, so at
+    most two blocks of the gradient exist at a time, as in the serial loop's one."""
+    device = grad_output_t.device
+    streams = _OVERLAP_STREAMS.get(device.index)
+    if streams is None:
+        streams = (torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device, priority=0))
+        _OVERLAP_STREAMS[device.index] = streams
+    matmuls, rule_stream = streams
+    main = torch.cuda.current_stream(device)
+    M, N = grad_output_t.shape[0], input.shape[1]
+    buffers = [torch.empty(rows, N, device=device, dtype=torch.float32) for _ in range(2)]
+    read = [None, None]  # the event after the rule last read each buffer
+    matmuls.wait_stream(main)
+    rule_stream.wait_stream(main)
+    carveout = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(OVERLAP_SM_CARVEOUT)
+    try:
+        for i, start in enumerate(range(0, M, rows)):
+            block = slice(start, min(M, start + rows))
+            buffer = buffers[i % 2][: block.stop - block.start]
+            with torch.cuda.stream(matmuls):
+                if read[i % 2] is not None:
+                    matmuls.wait_event(read[i % 2])
+                _fp32_matmul_into(buffer, grad_output_t[block], input)
+            rule_stream.wait_stream(matmuls)
+            with torch.cuda.stream(rule_stream):
+                update(buffer, None, block=block)
+                read[i % 2] = rule_stream.record_event()
+    finally:
+        torch._C._set_sm_carveout_experimental(carveout)
+    main.wait_stream(rule_stream)
+    main.wait_stream(matmuls)
 
 
 _PATHS: dict[str, str] = {}

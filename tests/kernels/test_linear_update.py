@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from forge_compile import rules
-from forge_compile.kernels.linear_update import GPU_TILES, fused_linear_update
+from forge_compile.kernels.linear_update import GIVEN_GRADIENT_TILES, GPU_TILES, fused_linear_update
 
 from helpers import KERNEL_DEVICE as DEVICE
 from helpers import ON_GPU, needs_triton
@@ -137,6 +137,36 @@ def test_tile_configs_match_float64_reference(split):
         fused_linear_update(rules.get("adam"), w, grad_output_t, x, states, torch.tensor(step, device=DEVICE), hyper,
                             (1, 0, 0, 1))  # fmt: skip
     torch.testing.assert_close(w.double(), ref_w, atol=2e-6, rtol=0)
+    torch.testing.assert_close(states[0].double(), ref_m, atol=2e-6, rtol=1e-3)
+    torch.testing.assert_close(states[1].double(), ref_v, atol=2e-7, rtol=1e-3)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the chunked path's GPU tiles are tuned for CUDA (cuBLAS writes the gradient)")
+@pytest.mark.parametrize("tile", GIVEN_GRADIENT_TILES, ids=lambda t: "{}x{}x{}_w{}_s{}_r{}".format(*t))
+def test_every_chunked_path_candidate_matches_float64_reference(tile, monkeypatch):
+    """Each candidate of the chunked path's kernel (the rule on the fp32 gradient block cuBLAS
+    wrote), on blocks of rows with edge tiles on both axes and a partial last block, against
+    float64: the rows' offsets into the weight and states must land each block in place."""
+    from forge_compile.config import config
+    from forge_compile.kernels import linear_update
+
+    m, n = tile[:2]
+    M, N, T = 5 * m + 3, 2 * n + 37, 77
+    monkeypatch.setattr(linear_update, "_CHUNK_ELEMENTS", 2 * m * N)  # blocks of 2m rows: three, the last partial
+    monkeypatch.setattr(config, "linear_update_path", "chunked")
+    w = torch.randn(M, N, device=DEVICE)
+    m1, v1 = 0.1 * torch.randn(M, N, device=DEVICE), 0.01 * torch.rand(M, N, device=DEVICE)
+    grad_output_t = torch.randn(T, M, device=DEVICE).to(torch.bfloat16).t()
+    x = torch.randn(T, N, device=DEVICE).to(torch.bfloat16)
+    lr, beta1, beta2, eps, wd, step = 1e-2, 0.9, 0.999, 1e-8, 0.1, 3.0
+    hyper = [torch.tensor(h, dtype=torch.float64, device=DEVICE) for h in (lr, beta1, beta2, eps, wd)]
+    ref_w, ref_m, ref_v, _ = _reference(w, m1, v1, v1, grad_output_t.double() @ x.double(), step, lr, beta1, beta2,
+                                        eps, wd, (1, 0, 0, 1))  # fmt: skip
+    weight, states = w.clone(), [m1.clone(), v1.clone()]
+    with linear_update.only_config(linear_update.tile_config(tile, 1)):
+        fused_linear_update(rules.get("adam"), weight, grad_output_t, x, states, torch.tensor(step, device=DEVICE),
+                            hyper, (1, 0, 0, 1))  # fmt: skip
+    torch.testing.assert_close(weight.double(), ref_w, atol=2e-6, rtol=0)
     torch.testing.assert_close(states[0].double(), ref_m, atol=2e-6, rtol=1e-3)
     torch.testing.assert_close(states[1].double(), ref_v, atol=2e-7, rtol=1e-3)
 
