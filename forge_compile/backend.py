@@ -82,7 +82,9 @@ class FuseLinearUpdatePass(CustomGraphPass):
         placeholders = [n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
         names = compilation.input_names if compilation else []
         by_node = dict(zip(placeholders, names)) if len(names) == len(placeholders) else {}
-        before = dump.graph_code(graph)
+        # The graph printed as code is for dumps, graph logs and traces only: skip it without them.
+        dumping = dump.wanted()
+        before = dump.graph_code(graph) if dumping else None
         try:
             decisions = fuse_linear_updates(graph, lambda node: by_node.get(node, node.name), fuse=self.fuse)
         except Exception as error:  # noqa: BLE001 - any failure falls back to plain Inductor
@@ -97,7 +99,8 @@ class FuseLinearUpdatePass(CustomGraphPass):
         compilation.record.decisions.extend(decisions)
         compilation.record.pass_ran = True
         _store_decisions(compilation.key, compilation.record.decisions)
-        dump.graph_compiled(compilation.record, before, dump.graph_code(graph))
+        if dumping:
+            dump.graph_compiled(compilation.record, before, dump.graph_code(graph))
 
     def uuid(self) -> str:
         return f"forge-{_source_hash()}-fuse{int(self.fuse)}"
@@ -107,8 +110,9 @@ class _DecomposeOnlyPass(CustomGraphPass):
     """The fallback: every forge update becomes Inductor pointwise code, nothing is fused."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        traced: dict = {}
         for node in [n for n in graph.nodes if n.target is torch.ops.forge.optimizer_update.default]:
-            decompose_update(graph, node)
+            decompose_update(graph, node, traced)
 
     def uuid(self) -> str:
         return f"forge-decompose-{_source_hash()}"

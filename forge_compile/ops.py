@@ -40,7 +40,7 @@ def apply_rule(
     hyperparameters: list[Tensor],
     options: tuple[int, ...],
     quantized_states: bool = False,
-    rounding_seed: Optional[int] = None,
+    rounding_seed: Optional[int | Tensor] = None,
     first_row: int = 0,
 ) -> tuple[Tensor, list[Tensor]]:
     """The rule on torch tensors: returns (new param, new states) as they are stored.
@@ -49,7 +49,10 @@ def apply_rule(
     ``quantized_states`` the states are the 8-bit codes of each active state followed by
     their block scales (:mod:`forge_compile.rules.storage`), and so are the new ones.
     ``rounding_seed`` rounds a bf16 parameter stochastically (``first_row``: where
-    ``param`` starts in its weight, so that each element draws its own bits).
+    ``param`` starts in its weight, so that each element draws its own bits): an int, or
+    an int64 tensor whose elements all hold it (:func:`rounding_seed_tensor`), which the
+    unfused Inductor path passes so that the seed is read at run time, not written into
+    the generated code.
 
     Every torch path runs this: the functional op, the unfused decomposition that
     Inductor compiles, and the CPU implementation of the fused op.
@@ -125,19 +128,34 @@ def quantize_state(values: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
 _KEY_REDUCTION_ELEMENTS = 16
 
 
-def _round_stochastically(values: Tensor, step: Tensor, seed: int, first_row: int) -> Tensor:
+def rounding_seed_tensor(seed: int, device: torch.device) -> Tensor:
+    """``seed`` as the int64 tensor that :func:`apply_rule` also takes for ``rounding_seed``.
+
+    The unfused path hands Inductor each parameter's seed as such a tensor, a constant of
+    the compiled graph. Inductor writes a 0-d constant, or one of at most 8 elements, into
+    the code that reads it: as an int, the seed made each parameter's update code differ
+    from every other's, so no two same-shaped parameters could share a generated kernel.
+    A constant of ``_KEY_REDUCTION_ELEMENTS`` elements it keeps as a buffer, read at run
+    time; the key's reduction (:func:`_round_stochastically`) runs over those elements.
+    """
+    return torch.full((_KEY_REDUCTION_ELEMENTS,), seed, dtype=torch.int64, device=device)
+
+
+def _round_stochastically(values: Tensor, step: Tensor, seed: int | Tensor, first_row: int) -> Tensor:
     rows = _as_rows(values)
     index = (torch.arange(rows.shape[0], device=values.device) + first_row)[:, None] * rows.shape[1] + torch.arange(
         rows.shape[1], device=values.device
     )
-    key = _torch_storage("rounding_key")(seed, step)
+    # One key per element of a seed tensor, all equal: the same value as an int seed's key
+    # (the torch dialect computes rounding_key in int64 either way).
+    keys = _torch_storage("rounding_key")(seed, step)
     # Inductor inlines a value it has not stored into each reader, and every line of the
     # hash reads its input twice, so the key's expression would be copied ~256 times into
     # each update's loop body (3,914 nodes per update on a 2-layer Qwen3, whose first step
     # compiled in 345 s on the CPU against 96 s for backend="inductor"). A reduction over
     # more elements than Inductor unrolls (config.unroll_reductions_threshold, 8) is always
     # stored: the key becomes one load of a 0-d buffer, with the same value.
-    key = key.reshape(1).expand(_KEY_REDUCTION_ELEMENTS).amax()
+    key = keys.reshape(-1).expand(_KEY_REDUCTION_ELEMENTS).amax()
     return _torch_storage("round_bfloat16_stochastically")(rows.to(torch.float32), index, key).reshape(values.shape)
 
 

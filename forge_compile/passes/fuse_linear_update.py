@@ -128,8 +128,9 @@ def fuse_linear_updates(graph: fx.Graph, name_of: Callable[[Node], str], fuse: b
             decision.reason = rejection.reason
         log.debug("forge: %s %s", decision.name, "fused" if decision.fused else f"not fused: {decision.reason}")
         decisions.append(decision)
+    traced: dict = {}
     for update in [n for n in graph.nodes if n.target is _UPDATE]:
-        decompose_update(graph, update)
+        decompose_update(graph, update, traced)
     graph.lint()
     return decisions
 
@@ -531,35 +532,95 @@ def _elements(node: Node) -> int:
 # --- the unfused path: the rule's decomposition for Inductor ----------------------------------
 
 
-def decompose_update(graph: fx.Graph, update: Node) -> None:
-    """Replace one ``forge.optimizer_update`` by the rule's aten ops, for Inductor to fuse."""
+def decompose_update(graph: fx.Graph, update: Node, traced: dict | None = None) -> None:
+    """Replace one ``forge.optimizer_update`` by the rule's aten ops, for Inductor to fuse.
+
+    ``traced``: decompositions already traced for this graph, by what a trace depends on
+    (rule, options, storage, the operands' shapes, strides, dtypes and devices). make_fx
+    took ~0.36 s an update on a 2-core CPU, once for each norm weight, bias and embedding;
+    updates alike in all that share one trace, copied into the graph once for each.
+    A stochastically rounded update reads its seed from a constant of the graph
+    (:func:`ops.rounding_seed_tensor`), so its trace and its Inductor kernels are the same
+    for every same-shaped parameter.
+    """
     from torch._guards import detect_fake_mode
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     param, grad, states, step, hyperparameters, rule_name, options = update.args[:7]
     quantized_states, rounding_seed = _storage_arguments(update)
-    rule = rules.get(rule_name)
     flat = [param, grad, *states, step, *hyperparameters]
-    n_states = len(states)
-
-    def update_fn(*tensors):
-        p, g = tensors[0], tensors[1]
-        old_states = list(tensors[2 : 2 + n_states])
-        new_p, new_states = ops.apply_rule(
-            rule, p, g, old_states, tensors[2 + n_states], list(tensors[3 + n_states :]), tuple(options),
-            quantized_states, rounding_seed,
-        )  # fmt: skip
-        return [new_p.to(p.dtype)] + [n.to(s.dtype) for n, s in zip(new_states, old_states)]
-
     fake_args = [a.meta["val"] for a in flat]
-    with detect_fake_mode(fake_args):
-        decomposition = make_fx(update_fn, decomposition_table=select_decomp_table())(*fake_args)
+    fake_mode = detect_fake_mode(fake_args)
+    # apply_rule rounds bf16 parameters only: another dtype's seed draws nothing.
+    seeded = rounding_seed is not None and fake_args[0].dtype == torch.bfloat16
+    if seeded:
+        seed = _rounding_seed_constant(graph, update, rounding_seed, fake_args[0].device, fake_mode)
+        flat.append(seed)
+        fake_args.append(seed.meta["val"])
+    signature = _trace_signature(rule_name, options, quantized_states, fake_args)
+    decomposition = traced.get(signature) if traced is not None and signature is not None else None
+    if decomposition is None:
+        decomposition = _trace_update(rules.get(rule_name), len(states), tuple(options), quantized_states, seeded,
+                                      fake_args, fake_mode)  # fmt: skip
+        if traced is not None and signature is not None:
+            traced[signature] = decomposition
     outputs = _inline(graph, update, decomposition, flat)
     for user in list(update.users):
         user.replace_all_uses_with(outputs[user.args[1]])
         graph.erase_node(user)
     graph.erase_node(update)
+
+
+def _trace_update(rule: rules.Rule, n_states: int, options: tuple[int, ...], quantized_states: bool, seeded: bool,
+                  fake_args: list, fake_mode) -> fx.GraphModule:  # fmt: skip
+    """make_fx of the rule on ``fake_args`` (param, grad, states, step, hyperparameters,
+    then the seed tensor if ``seeded``), decomposed as Inductor decomposes."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def update_fn(*tensors):
+        p, g = tensors[0], tensors[1]
+        old_states = list(tensors[2 : 2 + n_states])
+        hyperparameters = list(tensors[3 + n_states : len(tensors) - 1 if seeded else len(tensors)])
+        new_p, new_states = ops.apply_rule(
+            rule, p, g, old_states, tensors[2 + n_states], hyperparameters, options,
+            quantized_states, tensors[-1] if seeded else None,
+        )  # fmt: skip
+        return [new_p.to(p.dtype)] + [n.to(s.dtype) for n, s in zip(new_states, old_states)]
+
+    with fake_mode:
+        return make_fx(update_fn, decomposition_table=select_decomp_table())(*fake_args)
+
+
+def _trace_signature(rule_name: str, options, quantized_states: bool, fake_args: list) -> tuple | None:
+    """What a decomposition's trace depends on; None where a size is symbolic (such a trace
+    is not shared: symbols of one parameter's sizes could end up in another's graph)."""
+    layouts = []
+    for t in fake_args:
+        sizes, strides = tuple(t.shape), tuple(t.stride())
+        if not all(isinstance(d, int) for d in sizes + strides):
+            return None
+        layouts.append((sizes, strides, t.dtype, t.device))
+    return rule_name, tuple(options), quantized_states, tuple(layouts)
+
+
+def _rounding_seed_constant(graph: fx.Graph, before: Node, seed: int, device: torch.device, fake_mode) -> Node:
+    """A ``get_attr`` node of ``seed`` as :func:`ops.rounding_seed_tensor`, a buffer of the
+    graph's module: one per seed and device, inserted before its first reader ``before``."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    module = graph.owning_module
+    if module is None:
+        raise RuntimeError("forge: decompose_update needs a graph owned by a GraphModule (the seed is its buffer)")
+    name = f"_forge_rounding_seed_{seed}_{device.type}{'' if device.index is None else device.index}"
+    for node in graph.find_nodes(op="get_attr", target=name):
+        return node
+    if not hasattr(module, name):
+        with unset_fake_temporarily():
+            module.register_buffer(name, ops.rounding_seed_tensor(seed, device))
+    with graph.inserting_before(before):
+        node = graph.get_attr(name)
+    node.meta["val"] = fake_mode.from_tensor(getattr(module, name), static_shapes=True)
+    return node
 
 
 def _inline(graph: fx.Graph, before: Node, gm: fx.GraphModule, args: list[Node]) -> list[Node]:

@@ -133,6 +133,37 @@ def test_stochastic_rounding_eager_step_matches_compiled():
     assert torch.equal(weights[0], weights[1])
 
 
+def test_stochastic_rounding_of_unfused_parameters_matches_the_eager_step():
+    """A bias is not fused: its compiled update is the rule decomposed for Inductor, with
+    the seed read from a buffer of the compiled graph. It must draw the eager op's bits,
+    for each of two same-shaped biases with seeds of their own. The gradients (sums of
+    small integers) are exact in bf16, as in the test above."""
+    x = torch.randint(-1, 2, (5, 32)).to(torch.bfloat16)
+    c = torch.randint(-1, 2, (5, 32)).float()
+    results = []
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        layers = nn.ModuleList([nn.Linear(32, 32), nn.Linear(32, 32)]).to(torch.bfloat16)
+        with torch.no_grad():
+            layers[1].bias.copy_(layers[0].bias)
+        optimizer = forge_compile.optim.AdamW(layers.parameters(), lr=1e-3, rounding_seed=5)
+
+        def step(x):
+            ((layers[0](x).float() + layers[1](x).float()) * c).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        run = torch.compile(step, backend="forge") if compiled else step
+        for _ in range(4):
+            run(x)
+        results.append([p.detach().clone() for p in layers.parameters()])
+    biases = [results[0][1], results[0][3]]
+    assert not torch.equal(biases[0], biases[1])  # same start and gradients, different bits
+    for compiled, eager in zip(*results):
+        assert torch.equal(compiled, eager)
+
+
 def test_fp16_refuses_stochastic_rounding_with_a_clear_error():
     layer = nn.Linear(8, 8).half()
     with pytest.raises(ValueError, match="stochastic_rounding supports bf16"):

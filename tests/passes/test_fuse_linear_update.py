@@ -155,6 +155,44 @@ def test_unfused_updates_compile_to_pointwise_kernels():
     assert src.count("fused_linear_update_") == 2
 
 
+def _biased_bf16_mlp_step():
+    """Two bf16 layers whose same-shaped biases stay unfused and round stochastically."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)).to(torch.bfloat16)
+    opt = forge_compile.optim.AdamW(model.parameters(), lr=1e-2, rounding_seed=1234)
+    args = (torch.randn(5, 16, dtype=torch.bfloat16), torch.randn(5, 16, dtype=torch.bfloat16))
+    return mse_step(model, opt), opt, args
+
+
+def test_unfused_rounding_seeds_are_read_at_run_time_not_written_into_kernels(no_inductor_cache):
+    step, opt, args = _biased_bf16_mlp_step()
+    _, code = run_and_get_code(torch.compile(step, backend="forge"), *args)
+    src = "\n".join(code)
+    bias_seeds = [opt._forge_seed_for(0, 1), opt._forge_seed_for(0, 3)]
+    for seed in bias_seeds:
+        assert f"_forge_rounding_seed_{seed}_" in src  # the seed's buffer is an input of the compiled code
+    without_buffer_names = re.sub(r"_forge_rounding_seed_\w+", "", src)
+    for seed in bias_seeds:
+        assert str(seed) not in without_buffer_names
+
+
+def test_same_shaped_unfused_updates_share_one_trace(monkeypatch, no_inductor_cache):
+    from forge_compile.passes import fuse_linear_update
+
+    traces = []
+    original = fuse_linear_update._trace_update
+
+    def counting(*args, **kwargs):
+        traces.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fuse_linear_update, "_trace_update", counting)
+    step, _, args = _biased_bf16_mlp_step()
+    report = forge_compile.explain(torch.compile(step, backend="forge"), *args)
+    assert sum(not d.fused for d in report.decisions) == 2  # the two (16,) biases
+    assert len(traces) == 1
+
+
 def _decisions(fn, *args):
     return {d.name.split(".", 1)[1]: d for d in forge_compile.explain(fn, *args).decisions}
 
