@@ -35,11 +35,6 @@ class ForgeConfig:
     consumes at once, so no more than that block ever exists), or "auto": whichever the
     first call for a shape measures faster, remembered on disk."""
 
-    overlap_blocks: bool = False
-    """On the chunked path, run each block's rule on a second CUDA stream beside cuBLAS's
-    matmul of the next block (kernels/linear_update.py, _overlapped_blocks). False runs
-    the blocks one after the other on the current stream."""
-
     dump_dir: str | None = None
     """A folder for each compiled graph's post-grad graph before and after the rewrite,
     its decisions (JSON) and Inductor's output code (see forge_compile.dump). Graphs are

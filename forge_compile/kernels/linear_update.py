@@ -43,11 +43,15 @@ GPU_TILES = [(128, 128, 64, 16, 4, None), (64, 128, 64, 8, 4, 128), (128, 128, 6
 """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, registers a thread or None: ptxas's choice) of
 the GPU's candidates, the first the untuned default; see _configs."""
 EPILOGUE_SPLITS = [2]
-GIVEN_GRADIENT_TILES = [(8, 256, 16, 4, 1, None), (16, 256, 16, 4, 1, None), (4, 256, 16, 4, 1, None),
-                        (8, 256, 16, 8, 1, None), (16, 512, 16, 8, 1, None)]  # fmt: skip
+GIVEN_GRADIENT_TILES = [(4, 256, 16, 4, 1, None), (8, 256, 16, 8, 1, None), (8, 256, 16, 4, 1, None)]
 """The same, for the chunked path's kernel (``GRADIENT_GIVEN``: the rule on an fp32 gradient
-block cuBLAS wrote, no matmul; BLOCK_K unused, one stage): small tiles of few registers,
-many programs an SM, so that enough loads are in flight to stream the weight and states."""
+block cuBLAS wrote, no matmul; BLOCK_K unused, one stage). Eight or sixteen elements a
+thread: with stochastic rounding 64 or 120 registers a thread, many programs an SM, so
+that enough loads are in flight to stream the weight and states. On an H100, 14336x4096
+at T = 512 in 2^24-element blocks (results/kernel_chunked_tiles.json, GPU time alone):
+4x256 w4 and 8x256 w8 0.465 ms, 8x256 w4 0.489, 16x256 w4 (199 registers) 0.564, against
+0.491 and 0.512 for the matmul tiles 64x128 w8 and 128x128 w16 that this kernel was
+tuned among before."""
 
 
 def _configs():
@@ -447,9 +451,6 @@ def fused_linear_update(
 
     def chunked():
         rows = _chunk_rows(M, N)
-        if weight.is_cuda and config.overlap_blocks and -(-M // rows) > 1:
-            _overlapped_blocks(update, grad_output_t, input, rows)
-            return
         for start in range(0, M, rows):
             block = slice(start, min(M, start + rows))
             update(_fp32_matmul(grad_output_t[block], input), None, block=block)
@@ -640,6 +641,13 @@ def _launch_plan(rule_name, options, quantized_states, stochastic, gradient_give
 # 1024-row blocks paid for their launches at small T (0.715 ms at T = 512). A later run
 # (results/kernel_configs_occupancy.json) timed these blocks at 0.543 ms at T = 512: at
 # small T the host's launches, not the GPU, set the chunked path's pace.
+# Running block i's rule on a second stream beside block i+1's matmul (cuBLAS on a
+# high-priority stream, 0-48 SMs carved out for the rule, two gradient buffers in turn;
+# commit d052d75) gained nothing on an H100: 14336x4096 in 2^24-element blocks took 0.487 /
+# 0.562 / 1.038 ms at T = 512 / 1024 / 4096 against 0.476 / 0.548 / 1.044 serially, with
+# the same times at every carveout; 2^22-element blocks took 1.68 ms at T = 512, paced by
+# the host. In a 4-layer Llama-3.1-8B step the kernels ran 2.4 ms of the 28.0 ms side by
+# side, and the step took as long as the fused kernel's (27.95 ms).
 _CHUNK_ELEMENTS = 1 << 24
 
 
@@ -665,60 +673,6 @@ def _fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if _FP32_OUTPUT_MM[0]:
         return torch.mm(a, b, out_dtype=torch.float32)
     return (a @ b).to(torch.float32)
-
-
-def _fp32_matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out = a @ b`` in fp32 (see :func:`_fp32_matmul`), written into ``out``."""
-    _fp32_matmul(a[:1], b[:, :1])  # learns once whether mm takes out_dtype
-    if _FP32_OUTPUT_MM[0] and a.dtype != torch.float32:
-        torch.mm(a, b, out_dtype=torch.float32, out=out)
-    else:
-        out.copy_(_fp32_matmul(a, b))
-
-
-# SMs that cuBLAS leaves to the rule while it computes the next block's gradient
-# (torch's sm carveout, which sets cuBLAS's SM count target); see _overlapped_blocks.
-OVERLAP_SM_CARVEOUT = 32
-
-_OVERLAP_STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-
-
-def _overlapped_blocks(update, grad_output_t: torch.Tensor, input: torch.Tensor, rows: int) -> None:
-    """The chunked path with block i's rule running beside block i+1's cuBLAS matmul: the
-    matmuls on a high-priority stream with OVERLAP_SM_CARVEOUT SMs left free, the rule's
-    kernel on another stream, filling the SMs the matmul leaves. Two gradient buffers take
-    turns: block i+2's matmul waits until the rule of block i has read its buffer, so at
-    most two blocks of the gradient exist at a time, as in the serial loop's one."""
-    device = grad_output_t.device
-    streams = _OVERLAP_STREAMS.get(device.index)
-    if streams is None:
-        streams = (torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device, priority=0))
-        _OVERLAP_STREAMS[device.index] = streams
-    matmuls, rule_stream = streams
-    main = torch.cuda.current_stream(device)
-    M, N = grad_output_t.shape[0], input.shape[1]
-    buffers = [torch.empty(rows, N, device=device, dtype=torch.float32) for _ in range(2)]
-    read = [None, None]  # the event after the rule last read each buffer
-    matmuls.wait_stream(main)
-    rule_stream.wait_stream(main)
-    carveout = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(OVERLAP_SM_CARVEOUT)
-    try:
-        for i, start in enumerate(range(0, M, rows)):
-            block = slice(start, min(M, start + rows))
-            buffer = buffers[i % 2][: block.stop - block.start]
-            with torch.cuda.stream(matmuls):
-                if read[i % 2] is not None:
-                    matmuls.wait_event(read[i % 2])
-                _fp32_matmul_into(buffer, grad_output_t[block], input)
-            rule_stream.wait_stream(matmuls)
-            with torch.cuda.stream(rule_stream):
-                update(buffer, None, block=block)
-                read[i % 2] = rule_stream.record_event()
-    finally:
-        torch._C._set_sm_carveout_experimental(carveout)
-    main.wait_stream(rule_stream)
-    main.wait_stream(matmuls)
 
 
 _PATHS: dict[str, str] = {}
