@@ -141,6 +141,30 @@ def test_tile_configs_match_float64_reference(split):
     torch.testing.assert_close(states[1].double(), ref_v, atol=2e-7, rtol=1e-3)
 
 
+class _Bf16OperandAdamWProblem:
+    """bf16 dY^T (a transposed view) and X, fp32 weight and AdamW states, and the float64
+    result of one step; :meth:`check_update` runs the op on copies and compares."""
+
+    def __init__(self, M, N, T):
+        self.w = torch.randn(M, N, device=DEVICE)
+        self.m, self.v = 0.1 * torch.randn(M, N, device=DEVICE), 0.01 * torch.rand(M, N, device=DEVICE)
+        self.grad_output_t = torch.randn(T, M, device=DEVICE).to(torch.bfloat16).t()
+        self.x = torch.randn(T, N, device=DEVICE).to(torch.bfloat16)
+        lr, beta1, beta2, eps, wd, self.step = 1e-2, 0.9, 0.999, 1e-8, 0.1, 3.0
+        self.hyper = [torch.tensor(h, dtype=torch.float64, device=DEVICE) for h in (lr, beta1, beta2, eps, wd)]
+        self.expected = _reference(self.w, self.m, self.v, self.v, self.grad_output_t.double() @ self.x.double(),
+                                   self.step, lr, beta1, beta2, eps, wd, (1, 0, 0, 1))[:3]  # fmt: skip
+
+    def check_update(self):
+        weight, states = self.w.clone(), [self.m.clone(), self.v.clone()]
+        fused_linear_update(rules.get("adam"), weight, self.grad_output_t, self.x, states,
+                            torch.tensor(self.step, device=DEVICE), self.hyper, (1, 0, 0, 1))  # fmt: skip
+        ref_w, ref_m, ref_v = self.expected
+        torch.testing.assert_close(weight.double(), ref_w, atol=2e-6, rtol=0)
+        torch.testing.assert_close(states[0].double(), ref_m, atol=2e-6, rtol=1e-3)
+        torch.testing.assert_close(states[1].double(), ref_v, atol=2e-7, rtol=1e-3)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the chunked path's GPU tiles are tuned for CUDA (cuBLAS writes the gradient)")
 @pytest.mark.parametrize("tile", GIVEN_GRADIENT_TILES, ids=lambda t: "{}x{}x{}_w{}_s{}_r{}".format(*t))
 def test_every_chunked_path_candidate_matches_float64_reference(tile, monkeypatch):
@@ -154,21 +178,9 @@ def test_every_chunked_path_candidate_matches_float64_reference(tile, monkeypatc
     M, N, T = 5 * m + 3, 2 * n + 37, 77
     monkeypatch.setattr(linear_update, "_CHUNK_ELEMENTS", 2 * m * N)  # blocks of 2m rows: three, the last partial
     monkeypatch.setattr(config, "linear_update_path", "chunked")
-    w = torch.randn(M, N, device=DEVICE)
-    m1, v1 = 0.1 * torch.randn(M, N, device=DEVICE), 0.01 * torch.rand(M, N, device=DEVICE)
-    grad_output_t = torch.randn(T, M, device=DEVICE).to(torch.bfloat16).t()
-    x = torch.randn(T, N, device=DEVICE).to(torch.bfloat16)
-    lr, beta1, beta2, eps, wd, step = 1e-2, 0.9, 0.999, 1e-8, 0.1, 3.0
-    hyper = [torch.tensor(h, dtype=torch.float64, device=DEVICE) for h in (lr, beta1, beta2, eps, wd)]
-    ref_w, ref_m, ref_v, _ = _reference(w, m1, v1, v1, grad_output_t.double() @ x.double(), step, lr, beta1, beta2,
-                                        eps, wd, (1, 0, 0, 1))  # fmt: skip
-    weight, states = w.clone(), [m1.clone(), v1.clone()]
+    problem = _Bf16OperandAdamWProblem(M, N, T)
     with linear_update.only_config(linear_update.tile_config(tile, 1)):
-        fused_linear_update(rules.get("adam"), weight, grad_output_t, x, states, torch.tensor(step, device=DEVICE),
-                            hyper, (1, 0, 0, 1))  # fmt: skip
-    torch.testing.assert_close(weight.double(), ref_w, atol=2e-6, rtol=0)
-    torch.testing.assert_close(states[0].double(), ref_m, atol=2e-6, rtol=1e-3)
-    torch.testing.assert_close(states[1].double(), ref_v, atol=2e-7, rtol=1e-3)
+        problem.check_update()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the GPU's tile configs (16 warps, 64-column halves) compile for CUDA only")
@@ -180,22 +192,10 @@ def test_every_gpu_candidate_config_matches_float64_reference(tile):
 
     m, n, k = tile[:3]
     M, N, T = 2 * m + 37, 3 * n + 5, 4 * k + 9
-    w = torch.randn(M, N, device=DEVICE)
-    m1, v1 = 0.1 * torch.randn(M, N, device=DEVICE), 0.01 * torch.rand(M, N, device=DEVICE)
-    grad_output_t = torch.randn(T, M, device=DEVICE).to(torch.bfloat16).t()
-    x = torch.randn(T, N, device=DEVICE).to(torch.bfloat16)
-    lr, beta1, beta2, eps, wd, step = 1e-2, 0.9, 0.999, 1e-8, 0.1, 3.0
-    hyper = [torch.tensor(h, dtype=torch.float64, device=DEVICE) for h in (lr, beta1, beta2, eps, wd)]
-    ref_w, ref_m, ref_v, _ = _reference(w, m1, v1, v1, grad_output_t.double() @ x.double(), step, lr, beta1, beta2,
-                                        eps, wd, (1, 0, 0, 1))  # fmt: skip
+    problem = _Bf16OperandAdamWProblem(M, N, T)
     for split in linear_update.EPILOGUE_SPLITS:
-        weight, states = w.clone(), [m1.clone(), v1.clone()]
         with linear_update.only_config(linear_update.tile_config(tile, split)):
-            fused_linear_update(rules.get("adam"), weight, grad_output_t, x, states, torch.tensor(step, device=DEVICE),
-                                hyper, (1, 0, 0, 1))  # fmt: skip
-        torch.testing.assert_close(weight.double(), ref_w, atol=2e-6, rtol=0)
-        torch.testing.assert_close(states[0].double(), ref_m, atol=2e-6, rtol=1e-3)
-        torch.testing.assert_close(states[1].double(), ref_v, atol=2e-7, rtol=1e-3)
+            problem.check_update()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the GPU's tile configs (16 warps, 64-column halves) compile for CUDA only")
