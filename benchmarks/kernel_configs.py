@@ -38,6 +38,12 @@ from 0.575 to 0.406 ms on 14336x4096 at T = 512 (on an H100, baseline 0.453; rou
 nearest: 0.395 and 0.394; results/kernel_configs_registers.json), so that candidate is
 capped. A cap of 80 registers, for three programs an SM with 3 stages, spilled 34-44
 registers and took 0.460-0.494 ms there.
+The chunked path's kernel (``--chunk-elements``; ``--chunk-configs`` times its candidates
+one by one, ``--gpu-time`` adds CUDA-graph GPU times) runs tiles of its own: on an H100,
+14336x4096 at T = 512 in 2^24-element blocks, 4x256 and 8x256 tiles (64 registers a
+thread) took 0.465 ms of GPU time, 16x256 (199 registers) 0.564, and the matmul tiles
+64x128 w8 and 128x128 w16 0.491 and 0.512 (results/kernel_chunked_tiles.json; a wider
+first sweep, results/kernel_chunked_epilogue.json). The fused kernel took 0.404 there.
 
     PYTHONPATH=. python benchmarks/kernel_configs.py [--budget-s 300]
 """
