@@ -118,14 +118,27 @@ class _DecomposeOnlyPass(CustomGraphPass):
         return f"forge-decompose-{_source_hash()}"
 
 
-def forge_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options: dict | None = None,
+                  **kwargs):  # fmt: skip
     """The ``torch.compile`` backend registered as ``"forge"``.
+
+    ``mode`` and ``options`` mean what they mean for ``backend="inductor"`` (Inductor
+    compiles the graph, forge's pass inside it): ``mode="max-autotune"``,
+    ``options={"max_autotune": True}`` and so on.
 
     Example::
 
         step = torch.compile(train_step, backend="forge")
+        step = torch.compile(train_step, backend="forge", mode="max-autotune-no-cudagraphs")
     """
     from torch._inductor.compile_fx import compile_fx
+
+    if mode is not None or options is not None:
+        # torch.compile hands a custom backend its mode and options as they were given;
+        # Inductor's own wrapper turns them into config patches (with its errors for an
+        # unknown mode or option), and forge passes those on to the same compile_fx.
+        inductor_settings = torch._TorchCompileInductorWrapper(mode, options, dynamic=None).config
+        kwargs["config_patches"] = {**inductor_settings, **kwargs.get("config_patches", {})}
 
     record = explain.GraphRecord(
         graph=next(_graph_numbers),

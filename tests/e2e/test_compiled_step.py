@@ -238,3 +238,41 @@ def test_accumulated_gradients_stay_unfused_and_right():
     weights = [d for d in report.rejected if len(d.shape) == 2]
     assert not report.fused and len(weights) == 3
     assert all(d.code in ("summed_gradient", "accumulated") and "backward() calls" in d.reason for d in weights), weights
+
+
+@pytest.mark.parametrize("compile_args, expected_settings", [
+    pytest.param(dict(options={"epilogue_fusion": False}), {"epilogue_fusion": False}, id="options"),
+    pytest.param(dict(mode="max-autotune-no-cudagraphs"), {"max_autotune": True, "coordinate_descent_tuning": True},
+                 id="mode"),
+])  # fmt: skip
+def test_mode_and_options_reach_inductor_as_for_backend_inductor(compile_args, expected_settings, monkeypatch):
+    """torch.compile's ``mode`` and ``options`` are Inductor's settings while forge's pass
+    runs inside Inductor's compilation, and the step stays fused and right."""
+    from forge_compile import backend
+
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append({name: getattr(torch._inductor.config, name) for name in expected_settings})
+        return fuse_linear_updates(*args, **kwargs)
+
+    fuse_linear_updates = backend.fuse_linear_updates
+    monkeypatch.setattr(backend, "fuse_linear_updates", recording)
+    torch._dynamo.reset()
+    model = MLP()
+    reference = twin(model)
+    step = torch.compile(mse_step(model, forge_compile.optim.AdamW(model.parameters(), lr=1e-2)), backend="forge",
+                         **compile_args)  # fmt: skip
+    reference_step = mse_step(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2))
+    report = train_mlp_side_by_side(step, reference_step, 3)
+    assert seen and all(settings == expected_settings for settings in seen)
+    assert_matches_torch_optim(model, reference, lr=1e-2, steps=3)
+    assert {d.name for d in report.fused} == {f"model.net.{i}.weight" for i in (0, 2, 4)}
+
+
+def test_an_unknown_option_is_refused_with_inductors_list():
+    model = MLP()
+    step = torch.compile(mse_step(model, forge_compile.optim.AdamW(model.parameters())), backend="forge",
+                         options={"no_such_setting": True})  # fmt: skip
+    with pytest.raises(Exception, match="Unexpected optimization option no_such_setting"):
+        step(torch.randn(4, 5, 12), torch.randn(4, 5, 6))
