@@ -245,7 +245,8 @@ def test_accumulated_gradients_stay_unfused_and_right():
     pytest.param(dict(mode="max-autotune-no-cudagraphs"), {"max_autotune": True, "coordinate_descent_tuning": True},
                  id="mode"),
 ])  # fmt: skip
-def test_mode_and_options_reach_inductor_as_for_backend_inductor(compile_args, expected_settings, monkeypatch):
+def test_mode_and_options_reach_inductor_as_for_backend_inductor(compile_args, expected_settings, monkeypatch,
+                                                               no_inductor_cache):  # fmt: skip
     """torch.compile's ``mode`` and ``options`` are Inductor's settings while forge's pass
     runs inside Inductor's compilation, and the step stays fused and right."""
     from forge_compile import backend
