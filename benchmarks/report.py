@@ -181,6 +181,22 @@ def quantization_section() -> list[str]:
     return lines
 
 
+def compile_time_section() -> list[str]:
+    data = _result("compile_time_cpu")
+    if data is None:
+        return []
+    env, runs = data["environment"], data["runs"]
+    return [
+        f"**First-step compile time** (a Qwen3 with random weights, {runs['forge']['layers']} layers of hidden size "
+        f"256, tied embeddings, bf16, a batch of 2x64 tokens, forge's AdamW; first step from empty "
+        f"Inductor and Triton caches, each backend in its own process; {env['gpu'] or 'CPU'}, torch {env['torch']}, "
+        f"{env['date'][:10]}; `{env['command']}`; raw data: `benchmarks/results/compile_time_cpu.json`): forge "
+        f"{runs['forge']['first_step_s']:.1f} s, backend=\"inductor\" with torch's AdamW compiled "
+        f"{runs['inductor']['first_step_s']:.1f} s, {data['forge_over_inductor']:.2f}x. The whole models' first "
+        "steps on the GPU are the step table's \"first step\" column.",
+    ]
+
+
 def memory_section() -> list[str]:
     data = _result("memory_hf_llama")
     if data is None:
@@ -392,7 +408,8 @@ def step_section() -> list[str]:
 
 def render() -> str:
     sections = [hf_llama_section(), memory_section(), every_rule_section(), mixed_models_section(), convergence_section(),
-                quantization_section(), step_section(), kernel_configs_section(), kernel_anatomy_section(),
+                quantization_section(), step_section(), compile_time_section(), kernel_configs_section(),
+                kernel_anatomy_section(),
                 kernel_section()]  # fmt: skip
     body = [line for section in sections for line in section + [""]]
     return "\n".join([BEGIN, "", *body, END])
