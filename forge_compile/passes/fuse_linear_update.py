@@ -532,7 +532,7 @@ def _elements(node: Node) -> int:
 # --- the unfused path: the rule's decomposition for Inductor ----------------------------------
 
 
-def decompose_update(graph: fx.Graph, update: Node, traced: dict | None = None) -> None:
+def decompose_update(graph: fx.Graph, update: Node, traced: dict) -> None:
     """Replace one ``forge.optimizer_update`` by the rule's aten ops, for Inductor to fuse.
 
     ``traced``: decompositions already traced for this graph, by what a trace depends on
@@ -557,11 +557,11 @@ def decompose_update(graph: fx.Graph, update: Node, traced: dict | None = None) 
         flat.append(seed)
         fake_args.append(seed.meta["val"])
     signature = _trace_signature(rule_name, options, quantized_states, fake_args)
-    decomposition = traced.get(signature) if traced is not None and signature is not None else None
+    decomposition = traced.get(signature) if signature is not None else None
     if decomposition is None:
         decomposition = _trace_update(rules.get(rule_name), len(states), tuple(options), quantized_states, seeded,
                                       fake_args, fake_mode)  # fmt: skip
-        if traced is not None and signature is not None:
+        if signature is not None:
             traced[signature] = decomposition
     outputs = _inline(graph, update, decomposition, flat)
     for user in list(update.users):
