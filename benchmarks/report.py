@@ -182,19 +182,87 @@ def quantization_section() -> list[str]:
 
 
 def compile_time_section() -> list[str]:
-    data = _result("compile_time_cpu")
+    lines = []
+    for device in ("cpu", "cuda"):
+        data = _result(f"compile_time_{device}")
+        if data is None:
+            continue
+        env, runs = data["environment"], data["runs"]
+        lines.append(
+            f"**First-step compile time, {env['gpu'] or 'CPU'}** (a Qwen3 with random weights, "
+            f"{runs['forge']['layers']} layers of hidden size 256, tied embeddings, bf16, a batch of 2x64 tokens, "
+            f"forge's AdamW; first step from empty Inductor and Triton caches, each backend in its own process; "
+            f"torch {env['torch']}, {env['date'][:10]}; `{env['command']}`; raw data: "
+            f"`benchmarks/results/compile_time_{device}.json`): forge {runs['forge']['first_step_s']:.1f} s, "
+            f"backend=\"inductor\" with torch's AdamW compiled {runs['inductor']['first_step_s']:.1f} s, "
+            f"{data['forge_over_inductor']:.2f}x."
+        )
+        lines.append("")
+    if lines:
+        lines.append('The whole models\' first steps on the GPU are the step table\'s "first step" column.')
+    return lines
+
+
+def cudagraphs_section() -> list[str]:
+    data = _result("step_4layers")
     if data is None:
         return []
-    env, runs = data["environment"], data["runs"]
-    return [
-        f"**First-step compile time** (a Qwen3 with random weights, {runs['forge']['layers']} layers of hidden size "
-        f"256, tied embeddings, bf16, a batch of 2x64 tokens, forge's AdamW; first step from empty "
-        f"Inductor and Triton caches, each backend in its own process; {env['gpu'] or 'CPU'}, torch {env['torch']}, "
-        f"{env['date'][:10]}; `{env['command']}`; raw data: `benchmarks/results/compile_time_cpu.json`): forge "
-        f"{runs['forge']['first_step_s']:.1f} s, backend=\"inductor\" with torch's AdamW compiled "
-        f"{runs['inductor']['first_step_s']:.1f} s, {data['forge_over_inductor']:.2f}x. The whole models' first "
-        "steps on the GPU are the step table's \"first step\" column.",
+    cases = {c["mode"]: c for c in data["cases"] if c.get("status") == "ok"}
+    env = data["cases"][0]["environment"]
+    c = next(iter(cases.values()))
+    lines = [
+        f"**CUDA graphs** ({c['model']} shape cut to {c['layers']} layers, micro-batch {c['batch']} x {c['seq']}; "
+        f"{env['gpu']}, torch {env['torch']}, {env['date'][:10]}; `{env['command']}`; raw data: "
+        "`benchmarks/results/step_4layers.json`). With `mode=\"reduce-overhead\"` the step replays as CUDA graphs "
+        "(no graph was skipped in either backend), so its time is GPU time alone:",
+        "",
+        "| mode | step (median) | first step |",
+        "|---|---|---|",
     ]
+    for mode in ("inductor", "inductor_cudagraphs", "forge", "forge_cudagraphs"):
+        if mode in cases:
+            lines.append(f"| {STEP_MODES[mode]} | {cases[mode]['step_ms_median']:.2f} ms | "
+                         f"{cases[mode]['first_step_s']:.0f} s |")  # fmt: skip
+    return lines
+
+
+def warp_specialized_section() -> list[str]:
+    data = _result("kernel_warp_specialized_h100")
+    if data is None:
+        return []
+    env, rows = data["environment"], data["rows"]
+    names = list(data["variants"])
+    lines = [
+        f"**The warp-specialised Hopper kernel** (kernels/linear_update_hopper.py; {env['gpu']}, torch {env['torch']}, "
+        f"triton {env['triton']}, {env['date'][:10]}; `{env['command']}`; raw data: "
+        "`benchmarks/results/kernel_warp_specialized_h100.json`). One layer's dW plus AdamW, bf16 weight and "
+        "states, stochastic rounding; GPU time (CUDA-graph replays, median) in ms. Variants are BLOCK_MxBLOCK_N, "
+        "update warps w and rows r a slice, ring stages s (default 4). forge runs the first (`linear_update.HOPPER_TILE`) "
+        "where `config.warp_specialize=\"auto\"` (the default) finds it measured faster than the portable kernel: "
+        "T >= 1024 and at least 256 tiles.",
+        "",
+        "| weight | T | cuBLAS + fused AdamW | portable kernel | " + " | ".join(names) + " | floor |",
+        "|---|---|---|---|" + "---|" * len(names) + "---|",
+    ]
+    for r in rows:
+        cells = [f"{r[f'{n}_gpu_ms']:.3f}" for n in names]
+        lines.append(f"| {r['M']}x{r['N']} | {r['T']} | {r['baseline_gpu_ms']:.3f} | {r['portable_gpu_ms']:.3f} | "
+                     + " | ".join(cells) + f" | {r['floor_ms']:.3f} |")  # fmt: skip
+    profile = _result("step_profile_warp_specialized_h100")
+    if profile:
+        by = {c["warp_specialize"]: c for c in profile["cases"]}
+        never, always = by["never"], by["always"]
+        fused = "forge fused dW + update"
+        lines += [
+            "",
+            f"In a {never['model']} step cut to {never['layers']} layers (micro-batch {never['batch']} x "
+            f"{never['seq']}, `benchmarks/step_profile.py`, raw data "
+            "`benchmarks/results/step_profile_warp_specialized_h100.json`): the fused updates took "
+            f"{always['ms_by_kind'][fused]:.2f} ms of GPU time with the warp-specialised kernel against "
+            f"{never['ms_by_kind'][fused]:.2f} ms with the portable one, the step {always['step_ms']:.2f} against "
+            f"{never['step_ms']:.2f} ms.",
+        ]
+    return lines
 
 
 def memory_section() -> list[str]:
@@ -365,6 +433,8 @@ STEP_MODES = {
     "inductor": "torch.compile (inductor), AdamW compiled",
     "forge": "forge",
     "forge_int8": 'forge, state_dtype="int8"',
+    "inductor_cudagraphs": 'torch.compile (inductor, mode="reduce-overhead"), AdamW compiled',
+    "forge_cudagraphs": 'forge, mode="reduce-overhead"',
 }
 
 
@@ -408,7 +478,8 @@ def step_section() -> list[str]:
 
 def render() -> str:
     sections = [hf_llama_section(), memory_section(), every_rule_section(), mixed_models_section(), convergence_section(),
-                quantization_section(), step_section(), compile_time_section(), kernel_configs_section(),
+                quantization_section(), step_section(), cudagraphs_section(), compile_time_section(),
+                warp_specialized_section(), kernel_configs_section(),
                 kernel_anatomy_section(),
                 kernel_section()]  # fmt: skip
     body = [line for section in sections for line in section + [""]]

@@ -10,7 +10,9 @@ micro-batch x sequence as given. Modes:
 * ``inductor``: ``torch.compile(train_step, backend="inductor")``, torch's AdamW compiled
   with it (foreach, capturable);
 * ``forge``: forge's AdamW, ``torch.compile(train_step, backend="forge")``;
-* ``forge_int8``: the same with ``state_dtype="int8"``.
+* ``forge_int8``: the same with ``state_dtype="int8"``;
+* ``inductor_cudagraphs``, ``forge_cudagraphs``: ``inductor`` and ``forge`` compiled with
+  ``mode="reduce-overhead"`` (CUDA graphs: the step replays without host launches).
 
 Step time is the median of CUDA-event timings of the steps after warm-up; peak memory is
 ``max_memory_allocated`` over those steps (after a reset), and also over the whole run
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -42,7 +45,7 @@ MODELS = {
     "qwen3-14b": (5120, 17408, 40, 40, 8, 151936, False),
     "tiny-llama": (64, 128, 2, 4, 2, 256, False),  # a smoke test of this script on the CPU
 }
-MODES = ("eager_fused", "hooks", "inductor", "forge", "forge_int8")
+MODES = ("eager_fused", "hooks", "inductor", "forge", "forge_int8", "inductor_cudagraphs", "forge_cudagraphs")
 WARMUP, TIMED = 3, 10
 
 
@@ -83,12 +86,13 @@ def optimizer_step(model, mode: str):
             return loss.detach()
 
         return train_step
-    if mode == "inductor":
+    compile_mode = "reduce-overhead" if mode.endswith("_cudagraphs") else None
+    if mode.startswith("inductor"):
         optimizer = torch.optim.AdamW(model.parameters(), **hyper, foreach=True, capturable=True)
-        return torch.compile(causal_lm_train_step(model, optimizer), backend="inductor")
+        return torch.compile(causal_lm_train_step(model, optimizer), backend="inductor", mode=compile_mode)
     state_dtype = "int8" if mode == "forge_int8" else None
     optimizer = forge_compile.optim.AdamW(model.parameters(), **hyper, state_dtype=state_dtype)
-    return torch.compile(causal_lm_train_step(model, optimizer), backend="forge")
+    return torch.compile(causal_lm_train_step(model, optimizer), backend="forge", mode=compile_mode)
 
 
 def _synchronize(device) -> None:
@@ -110,15 +114,31 @@ def timed_ms(step, batch, device):
     return begin.elapsed_time(end), loss
 
 
+class _SkippedCudagraphs(logging.Handler):
+    """Collects Inductor's "skipping cudagraphs due to ..." warnings."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        if "skipping cudagraphs" in record.getMessage():
+            self.messages.append(record.getMessage())
+
+
 def _peak_bytes(device):
     return torch.cuda.max_memory_allocated() if device.type == "cuda" else None
 
 
-def worker(model_name: str, mode: str, batch: int, seq: int, device: str = "cuda") -> dict:
+def worker(model_name: str, mode: str, batch: int, seq: int, device: str = "cuda", layers: int | None = None) -> dict:
     device = torch.device(device)
     result = {"model": model_name, "mode": mode, "batch": batch, "seq": seq, "device": device.type}
+    if layers:
+        result["layers"] = layers
+    skipped_cudagraphs = _SkippedCudagraphs()
+    logging.getLogger("torch").addHandler(skipped_cudagraphs)
     try:
-        model, config = build(model_name, device)
+        model, config = build(model_name, device, layers)
         result["parameters"] = sum(p.numel() for p in model.parameters())
         step = optimizer_step(model, mode)
         generator = torch.Generator(device=device).manual_seed(0)
@@ -148,6 +168,8 @@ def worker(model_name: str, mode: str, batch: int, seq: int, device: str = "cuda
             losses.append(float(loss))
         result.update(step_ms_median=statistics.median(times), step_ms_all=times, peak_bytes=_peak_bytes(device),
                       loss=losses[-1], losses=losses, status="ok")  # fmt: skip
+        if mode.endswith("_cudagraphs"):  # why Inductor ran a graph without CUDA graphs, if it did
+            result["cudagraph_skips"] = sorted(set(skipped_cudagraphs.messages))
     except torch.OutOfMemoryError as error:
         result.update(status="out_of_memory", error=str(error).splitlines()[0])
     return result
@@ -184,6 +206,8 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--batches", default="1,2,4,8")
     parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="a shallower model of the same width; results go to results/step_<N>layers.json")
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "MODE", "BATCH", "SEQ"), help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=560, help="seconds per case")
     parser.add_argument("--device", default="cuda", help="cpu runs the tiny-llama smoke test")
@@ -192,9 +216,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker:
         name, mode, batch, seq = args.worker
-        print(json.dumps(worker(name, mode, int(batch), int(seq), args.device)))
+        print(json.dumps(worker(name, mode, int(batch), int(seq), args.device, args.layers)))
         return 0
-    path = RESULTS / "step.json"
+    result_name = f"step_{args.layers}layers" if args.layers else "step"
+    path = RESULTS / f"{result_name}.json"
     previous = json.loads(path.read_text()) if path.exists() else {"cases": []}
     if args.plot:
         plot(previous["cases"], RESULTS / "step.png")
@@ -211,17 +236,18 @@ def main() -> int:
         tqdm = lambda x, **_: x  # noqa: E731
     for case in tqdm([c for c in cases if c not in done], desc="step", file=sys.stdout):
         try:
-            result = run_in_subprocess("benchmarks.step", ["--worker", *map(str, case), "--device", args.device],
+            depth = ["--layers", str(args.layers)] if args.layers else []
+            result = run_in_subprocess("benchmarks.step", ["--worker", *map(str, case), "--device", args.device, *depth],
                                        timeout=args.timeout)  # fmt: skip
         except Exception as error:  # a crash or a timeout: recorded, the other cases go on
             result = dict(zip(("model", "mode", "batch", "seq"), case), status="failed", error=str(error)[-2000:])
         result["environment"] = environment()
         previous["cases"].append(result)
         for folder in [path.parent] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
-            (folder / "step.json").write_text(json.dumps(previous, indent=1))
+            (folder / f"{result_name}.json").write_text(json.dumps(previous, indent=1))
         print(json.dumps({k: result.get(k) for k in ("model", "mode", "batch", "status", "step_ms_median",
                                                       "peak_bytes", "first_step_s")}))  # fmt: skip
-    plot(previous["cases"], RESULTS / "step.png")
+    plot(previous["cases"], RESULTS / f"{result_name}.png")
     return 0
 
 

@@ -26,6 +26,8 @@ def environment() -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "forge_source": forge_source_hash(),
+        # forge's settings from the environment (FORGE_<NAME>, forge_compile/config.py) the run had
+        "forge_settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FORGE_")},
     }
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 _KERNELS = ("auto", "triton", "torch")
 _PATHS = ("auto", "fused", "chunked")
+_WARP_SPECIALIZE = ("auto", "always", "never")
 
 
 @dataclass(kw_only=True)
@@ -35,6 +36,12 @@ class ForgeConfig:
     consumes at once, so no more than that block ever exists), or "auto": whichever the
     first call for a shape measures faster, remembered on disk."""
 
+    warp_specialize: str = "auto"
+    """On Hopper GPUs, where the warp-specialised kernel applies (kernels/linear_update_hopper.py:
+    bf16/fp16 operands TMA can read, states not 8-bit), whether to run it instead of the
+    portable Triton kernel: "auto" for the weights and token counts where it measured faster
+    (see linear_update.warp_specialized_kernel_wins), "always", or "never"."""
+
     dump_dir: str | None = None
     """A folder for each compiled graph's post-grad graph before and after the rewrite,
     its decisions (JSON) and Inductor's output code (see forge_compile.dump). Graphs are
@@ -50,6 +57,8 @@ class ForgeConfig:
         super().__setattr__(name, value)
         if name == "kernel" and value not in _KERNELS:
             raise ValueError(f"forge: config.kernel must be one of {_KERNELS}, got {value!r}")
+        if name == "warp_specialize" and value not in _WARP_SPECIALIZE:
+            raise ValueError(f"forge: config.warp_specialize must be one of {_WARP_SPECIALIZE}, got {value!r}")
         if name == "linear_update_path" and value not in _PATHS:
             raise ValueError(f"forge: config.linear_update_path must be one of {_PATHS}, got {value!r}")
 

@@ -20,8 +20,12 @@ from benchmarks.references import lion_reference
 from forge_compile.config import config
 
 from helpers import KERNEL_DEVICE as DEVICE
-from helpers import TRITON_AVAILABLE
-M, N, T = 37, 29, 23  # odd sizes: every tile edge is masked
+from helpers import ON_GPU, TRITON_AVAILABLE
+
+SHAPE = (37, 29, 23)  # odd sizes: every tile edge is masked
+# The warp-specialised Hopper kernel reads dY and X by TMA, whose row strides must be
+# multiples of 16 bytes: rows and columns multiples of 8, one partial 128x128 tile on each axis.
+WARP_SPECIALIZED_SHAPE = (136, 264, 23)
 
 # One setting per option switch of each rule (torch's hyperparameter names).
 SETTINGS = {
@@ -49,8 +53,18 @@ SETTINGS = {
 # Step 1 starts every state (SGD's buffer is the gradient); by step 7 bias corrections,
 # Adagrad's lr decay and NAdam's mu products have moved and RAdam is rectified (step >= 6).
 FINAL_STEPS = [1, 7]
+
+
+
+def _on_hopper():
+    from forge_compile.kernels import linear_update_hopper
+
+    return ON_GPU and linear_update_hopper.AVAILABLE and torch.cuda.get_device_capability()[0] == 9
+
+
 IMPLEMENTATIONS = [
     pytest.param("triton", marks=pytest.mark.skipif(not TRITON_AVAILABLE, reason="needs a GPU or TRITON_INTERPRET=1")),
+    pytest.param("warp-specialized", marks=pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper GPU")),
     "torch",
 ]
 
@@ -62,12 +76,17 @@ def _cases():
             yield pytest.param(torch_class, s, id=f"{torch_class.__name__}({label})")
 
 
-def _random_grad_output_and_input():
+def _random_grad_output_and_input(implementation):
     """Operands on a grid of 1/8 in [-2, 2]: every product and partial sum of ``dY^T X`` is
     exact in fp32, so the float64 reference sees the very gradient the kernel accumulates and
     the comparison measures the rule alone (with Gaussian operands a cancelling sum's rounding,
-    amplified by ``g / sqrt(v)`` where g is small, is larger than the rule's own error)."""
+    amplified by ``g / sqrt(v)`` where g is small, is larger than the rule's own error). The
+    grid is exact in bf16 too: the warp-specialised kernel takes bf16 operands (dY as a
+    transposed view, as the graph hands it over)."""
+    M, N, T = implementation.shape
     grid = lambda *shape: torch.randint(-16, 17, shape, device=DEVICE).float() / 8  # noqa: E731
+    if implementation == "warp-specialized":
+        return grid(T, M).to(torch.bfloat16).t(), grid(T, N).to(torch.bfloat16)
     return grid(M, T), grid(T, N)
 
 
@@ -82,17 +101,34 @@ def _fused_step(optimizer, weight, grad_output_t, input, grad_min=None, grad_max
                                          optimizer._forge_rule_name, list(view.options), grad_min, grad_max)  # fmt: skip
 
 
+class _Implementation(str):
+    """The implementation's name, and the weight shape [M, N] and token count T it is tested on."""
+
+    shape: tuple
+
+
 @pytest.fixture(params=IMPLEMENTATIONS)
-def implementation(request):
-    before = config.kernel
-    config.kernel = request.param
-    yield request.param
-    config.kernel = before
+def implementation(request, monkeypatch):
+    name = _Implementation(request.param)
+    name.shape = WARP_SPECIALIZED_SHAPE if name == "warp-specialized" else SHAPE
+    monkeypatch.setattr(config, "kernel", "torch" if name == "torch" else "triton")
+    if name != "warp-specialized":
+        yield name
+        return
+    from forge_compile.kernels import linear_update_hopper
+
+    launches = []
+    launch = linear_update_hopper.launch
+    monkeypatch.setattr(config, "warp_specialize", "always")
+    monkeypatch.setattr(linear_update_hopper, "launch", lambda *a, **k: (launches.append(1), launch(*a, **k)))
+    yield name
+    assert launches, "the warp-specialised kernel did not run"
 
 
 @pytest.mark.parametrize("final_step", FINAL_STEPS)
 @pytest.mark.parametrize("torch_class,settings", list(_cases()))
 def test_fused_op_matches_torch_optim_in_float64(implementation, torch_class, settings, final_step):
+    M, N, _ = implementation.shape
     reference_weight = torch.nn.Parameter(torch.randn(M, N, device=DEVICE, dtype=torch.float64))
     reference = torch_class([reference_weight], **settings)
     for _ in range(final_step - 1):
@@ -103,7 +139,7 @@ def test_fused_op_matches_torch_optim_in_float64(implementation, torch_class, se
     # A copy: load_state_dict keeps torch's CPU step tensors as they are, shared with the reference.
     optimizer.load_state_dict(copy.deepcopy(reference.state_dict()))
 
-    grad_output_t, input = _random_grad_output_and_input()
+    grad_output_t, input = _random_grad_output_and_input(implementation)
     _fused_step(optimizer, weight, grad_output_t, input)
     reference_weight.grad = grad_output_t.double() @ input.double()
     reference.step()
@@ -126,6 +162,7 @@ LION_SETTINGS = [dict(lr=1e-2), dict(lr=3e-3, betas=(0.95, 0.98), weight_decay=0
 @pytest.mark.parametrize("final_step", FINAL_STEPS)
 @pytest.mark.parametrize("settings", LION_SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_fused_lion_matches_the_paper_in_float64(implementation, settings, final_step):
+    M, N, _ = implementation.shape
     hyper = dict(lr=settings["lr"], beta1=settings.get("betas", (0.9, 0.99))[0],
                  beta2=settings.get("betas", (0.9, 0.99))[1], weight_decay=settings.get("weight_decay", 0.0),
                  maximize=settings.get("maximize", False))  # fmt: skip
@@ -138,7 +175,7 @@ def test_fused_lion_matches_the_paper_in_float64(implementation, settings, final
     optimizer.state[weight]["exp_avg"].copy_(exp_avg)
     optimizer.state[weight]["step"].fill_(final_step - 1)
 
-    grad_output_t, input = _random_grad_output_and_input()
+    grad_output_t, input = _random_grad_output_and_input(implementation)
     _fused_step(optimizer, weight, grad_output_t, input)
     lion_reference([reference_weight], [grad_output_t.double() @ input.double()], [exp_avg], **hyper)
 
@@ -151,11 +188,12 @@ def test_fused_op_clamps_the_gradient_as_clip_grad_value_does(implementation, bo
     """The kernel's clamp of the fp32 gradient tile against torch's clamp in float64
     (the grid operands give gradients of several units, so each bound clips many)."""
     grad_min, grad_max = bounds
+    M, N, _ = implementation.shape
     reference_weight = torch.nn.Parameter(torch.randn(M, N, device=DEVICE, dtype=torch.float64))
     reference = torch.optim.Adam([reference_weight], lr=1e-2)
     weight = torch.nn.Parameter(reference_weight.detach().float())
     optimizer = forge_compile.optim.Adam([weight], lr=1e-2)
-    grad_output_t, input = _random_grad_output_and_input()
+    grad_output_t, input = _random_grad_output_and_input(implementation)
     _fused_step(optimizer, weight, grad_output_t, input, grad_min, grad_max)
     reference_weight.grad = (grad_output_t.double() @ input.double()).clamp(grad_min, grad_max)
     assert (reference_weight.grad != grad_output_t.double() @ input.double()).double().mean() > 0.2
