@@ -4,7 +4,7 @@ torch's fused AdamW, GPU time side by side in one run.
 One linear layer's ``dW = dY^T X`` and AdamW update, bf16 dY, X, weight and states, the
 weight rounded stochastically (forge's default for bf16 weights) unless ``--rounding
 nearest``. Each variant of kernels/linear_update_hopper.py (tile, ring stages, update rows
-and warps) runs with ``config.warp_specialize = "always"``; ``portable`` is the autotuned
+and warps, slices copied ahead by cp.async) runs with ``config.warp_specialize = "always"``; ``portable`` is the autotuned
 portable kernel (``"never"``). Times are medians of CUDA-graph replays (``*_gpu_ms``: GPU
 time alone) and of do_bench (``*_ms``: with the host's launches), as in benchmarks/kernel.py;
 the floor is kernel.py's.
@@ -26,12 +26,14 @@ from benchmarks.kernel import (  # noqa: E402
 )  # fmt: skip
 from benchmarks.utils import write_result  # noqa: E402
 
-# name: (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EPILOGUE_ROWS, EPILOGUE_WARPS, EPILOGUE_REGISTERS)
+# name: (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EPILOGUE_ROWS, EPILOGUE_WARPS, EPILOGUE_REGISTERS, ASYNC_SLICES)
 VARIANTS = {
-    "ws_128x128_w8r16": (128, 128, 64, 4, 16, 8, 112),
-    "ws_128x128_w8r16_s3": (128, 128, 64, 3, 16, 8, 112),
-    "ws_128x128_w4r16": (128, 128, 64, 4, 16, 4, 192),
-    "ws_64x128_s6": (64, 128, 64, 6, 16, 4, 192),
+    "ws_128x128_w8r16": (128, 128, 64, 4, 16, 8, 112, 0),
+    "ws_128x128_w8r16_s3": (128, 128, 64, 3, 16, 8, 112, 0),
+    "ws_128x128_w8r16_s3_async3": (128, 128, 64, 3, 16, 8, 112, 3),
+    "ws_128x128_w8r16_s3_async4": (128, 128, 64, 3, 16, 8, 112, 4),
+    "ws_128x128_w4r16": (128, 128, 64, 4, 16, 4, 192, 0),
+    "ws_64x128_s6": (64, 128, 64, 6, 16, 4, 192, 0),
 }
 
 

@@ -521,9 +521,9 @@ def _launch(rule, weight, a, b, *, states, step, hyperparameters, options, grad_
         _run_kernel(grid, args, constexprs, tuning_key, variant)
 
 
-HOPPER_TILE = (128, 128, 64, 4, 16, 8, 112)
+HOPPER_TILE = (128, 128, 64, 4, 16, 8, 112, 0)
 """The warp-specialised kernel's (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EPILOGUE_ROWS,
-EPILOGUE_WARPS, EPILOGUE_REGISTERS)."""
+EPILOGUE_WARPS, EPILOGUE_REGISTERS, ASYNC_SLICES); see benchmarks/kernel_warp_specialized.py."""
 
 
 def warp_specialized_kernel_wins(M: int, N: int, K: int) -> bool:
@@ -547,8 +547,14 @@ def _warp_specialized_kernel_chosen(weight: torch.Tensor, M: int, N: int, K: int
 
 def _launch_warp_specialized(descriptors, weight, s0, s1, s2, scalars, M, N, K, grad_min, grad_max, rounding_seed,
                              first_row, plan, index_64) -> None:  # fmt: skip
-    block_m, block_n, block_k, stages, epilogue_rows, epilogue_warps, epilogue_registers = HOPPER_TILE
+    block_m, block_n, block_k, stages, epilogue_rows, epilogue_warps, epilogue_registers, async_slices = HOPPER_TILE
     c = plan.constexprs
+    if async_slices:
+        active = [weight] + [t for t, has in ((s0, c["HAS_S0"]), (s1, c["HAS_S1"]), (s2, c["HAS_S2"])) if has]
+        shared_bytes = (stages * block_k * (block_m + block_n) * descriptors[0].base.element_size()
+                        + block_m * block_n * 4 + async_slices * epilogue_rows * block_n * sum(t.element_size() for t in active))  # fmt: skip
+        if not _copies_asynchronously(active, N, shared_bytes, weight.device.index):
+            async_slices = 0
     args = (
         weight, s0, s1, s2, *scalars, M, N, K,
         0.0 if grad_min is None else float(grad_min), 0.0 if grad_max is None else float(grad_max),
@@ -565,14 +571,23 @@ def _launch_warp_specialized(descriptors, weight, s0, s1, s2, scalars, M, N, K, 
     grid_size = min(tiles, hopper.multiprocessors(weight.device.index))
     kernel_config = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP_M=8,
                          EPILOGUE_ROWS=epilogue_rows, EPILOGUE_WARPS=epilogue_warps,
-                         EPILOGUE_REGISTERS=epilogue_registers, num_warps=4)  # fmt: skip
+                         EPILOGUE_REGISTERS=epilogue_registers, ASYNC_SLICES=async_slices, num_warps=4)  # fmt: skip
     # The plan is one cached object per combination of switches: its identity stands for them.
-    variant = (id(plan), index_64, HOPPER_TILE)
+    variant = (id(plan), index_64, HOPPER_TILE, async_slices)
     if weight.device.index != torch.cuda.current_device():
         with torch.cuda.device(weight.device):
             hopper.launch(grid_size, descriptors, args, constexprs, kernel_config, variant)
     else:
         hopper.launch(grid_size, descriptors, args, constexprs, kernel_config, variant)
+
+
+def _copies_asynchronously(tensors, N: int, shared_bytes: int, device_index: int) -> bool:
+    """Whether the update warps can copy these weight and state rows by cp.async: in 16-byte
+    pieces, which the compiler proves only from 16-byte aligned rows, row strides and N
+    divisible by 16 (Triton's specialization), and with their slots within shared memory."""
+    if N % 16 or shared_bytes > hopper.shared_memory_bytes(device_index):
+        return False
+    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
 
 
 _TUNED: dict[tuple, triton.Config] = {}

@@ -35,6 +35,7 @@ from triton.runtime.driver import driver
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -131,7 +132,83 @@ if AVAILABLE:
         return w, s0, s1, s2
 
     @gluon.jit
-    def _update_partition(accumulator, accumulator_full, accumulator_free,
+    def _update_slice(w, s0, s1, s2, grad, rm, rn, mask_n, M, N, first_row, key, grad_min, grad_max,
+                      w_ptr, s0_ptr, s1_ptr, s2_ptr,
+                      stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
+                      c0, c1, c2, c3, c4, c5, c6, c7, c8, c9,
+                      ROUND_STOCHASTIC: gl.constexpr, ELEMENTWISE: gl.constexpr,
+                      HAS_S0: gl.constexpr, HAS_S1: gl.constexpr, HAS_S2: gl.constexpr,
+                      O0: gl.constexpr, O1: gl.constexpr, O2: gl.constexpr, O3: gl.constexpr,
+                      CLAMP_MIN: gl.constexpr, CLAMP_MAX: gl.constexpr, ROUND: gl.constexpr):  # fmt: skip
+        """The rule on one slice: the gradient ``grad`` of rows ``rm``, columns ``rn``, the
+        weight and states as loaded (their own dtypes); stores the results."""
+        if CLAMP_MIN:  # clip_grad_value_ folded in; comparisons keep NaN, as torch.clamp does
+            grad = gl.where(grad < grad_min, grad_min, grad)
+        if CLAMP_MAX:
+            grad = gl.where(grad > grad_max, grad_max, grad)
+        new_w, new_s0, new_s1, new_s2 = ELEMENTWISE(
+            w.to(gl.float32), grad, s0.to(gl.float32), s1.to(gl.float32), s2.to(gl.float32),
+            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, O0, O1, O2, O3,
+        )  # fmt: skip
+        if ROUND_STOCHASTIC:
+            element_index = (rm[:, None] + first_row) * N + rn[None, :]
+            new_w = ROUND(new_w, element_index, key)
+        mask = (rm < M)[:, None] & mask_n[None, :]
+        gl.store(w_ptr + rm[:, None] * stride_wm + rn[None, :] * stride_wn, new_w.to(w_ptr.dtype.element_ty), mask=mask)
+        if HAS_S0:
+            gl.store(s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n,
+                     new_s0.to(s0_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        if HAS_S1:
+            gl.store(s1_ptr + rm[:, None] * stride_s1m + rn[None, :] * stride_s1n,
+                     new_s1.to(s1_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        if HAS_S2:
+            gl.store(s2_ptr + rm[:, None] * stride_s2m + rn[None, :] * stride_s2n,
+                     new_s2.to(s2_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+    @gluon.jit
+    def _copy_slice_async(w_slots, s0_slots, s1_slots, s2_slots, slot: gl.constexpr,
+                          w_ptr, s0_ptr, s1_ptr, s2_ptr, rm, rn, mask_n, M,
+                          stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
+                          HAS_S0: gl.constexpr, HAS_S1: gl.constexpr, HAS_S2: gl.constexpr):  # fmt: skip
+        """cp.async of one slice's weight and states into shared-memory slot ``slot``, as one group."""
+        mask = (rm < M)[:, None] & mask_n[None, :]
+        async_copy.async_copy_global_to_shared(
+            w_slots.index(slot), w_ptr + rm[:, None] * stride_wm + rn[None, :] * stride_wn, mask=mask
+        )
+        if HAS_S0:
+            async_copy.async_copy_global_to_shared(
+                s0_slots.index(slot), s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n, mask=mask
+            )
+        if HAS_S1:
+            async_copy.async_copy_global_to_shared(
+                s1_slots.index(slot), s1_ptr + rm[:, None] * stride_s1m + rn[None, :] * stride_s1n, mask=mask
+            )
+        if HAS_S2:
+            async_copy.async_copy_global_to_shared(
+                s2_slots.index(slot), s2_ptr + rm[:, None] * stride_s2m + rn[None, :] * stride_s2n, mask=mask
+            )
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _load_slice(w_ptr, s0_ptr, s1_ptr, s2_ptr, rm, rn, mask_n, M,
+                    stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
+                    HAS_S0: gl.constexpr, HAS_S1: gl.constexpr, HAS_S2: gl.constexpr):  # fmt: skip
+        """The weight and state elements of rows ``rm``, columns ``rn``, in their own dtypes."""
+        mask = (rm < M)[:, None] & mask_n[None, :]
+        w = gl.load(w_ptr + rm[:, None] * stride_wm + rn[None, :] * stride_wn, mask=mask, other=0.0)
+        s0 = w
+        s1 = w
+        s2 = w
+        if HAS_S0:
+            s0 = gl.load(s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n, mask=mask, other=0.0)
+        if HAS_S1:
+            s1 = gl.load(s1_ptr + rm[:, None] * stride_s1m + rn[None, :] * stride_s1n, mask=mask, other=0.0)
+        if HAS_S2:
+            s2 = gl.load(s2_ptr + rm[:, None] * stride_s2m + rn[None, :] * stride_s2n, mask=mask, other=0.0)
+        return w, s0, s1, s2
+
+    @gluon.jit
+    def _update_partition(accumulator, accumulator_full, accumulator_free, w_slots, s0_slots, s1_slots, s2_slots,
                           w_ptr, s0_ptr, s1_ptr, s2_ptr, step_ptr, h0_ptr, h1_ptr, h2_ptr, h3_ptr, h4_ptr, h5_ptr,
                           h6_ptr, h7_ptr, M, N, grad_min, grad_max, rounding_seed, first_row,
                           stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
@@ -140,8 +217,13 @@ if AVAILABLE:
                           O0: gl.constexpr, O1: gl.constexpr, O2: gl.constexpr, O3: gl.constexpr,
                           CLAMP_MIN: gl.constexpr, CLAMP_MAX: gl.constexpr, INDEX_64: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                          EPILOGUE_ROWS: gl.constexpr, EPILOGUE_WARPS: gl.constexpr,
+                          EPILOGUE_ROWS: gl.constexpr, EPILOGUE_WARPS: gl.constexpr, ASYNC_SLICES: gl.constexpr,
                           ROUNDING_KEY: gl.constexpr, ROUND: gl.constexpr):  # fmt: skip
+        """The rule on each tile, EPILOGUE_ROWS rows at a time. The weight and states do not
+        depend on the gradient, so their loads run ahead: the next slice's into registers
+        (ASYNC_SLICES = 0), or ASYNC_SLICES - 1 slices ahead by cp.async into shared memory,
+        which holds more bytes in flight than registers can. Either way the first slices'
+        loads of a tile are issued before its gradient is ready."""
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
         SLICES: gl.constexpr = BLOCK_M // EPILOGUE_ROWS
@@ -169,16 +251,43 @@ if AVAILABLE:
                 rn = rn.to(gl.int64)
                 first_rows = first_rows.to(gl.int64)
             mask_n = rn < N
-            # The weight and states do not depend on the gradient: the first slice's loads
-            # are in flight while the matmul finishes, and each later slice's while the one
-            # before it is updated.
-            w, s0, s1, s2 = _load_slice(w_ptr, s0_ptr, s1_ptr, s2_ptr, first_rows, rn, mask_n, M,
-                                        stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n,
-                                        stride_s2m, stride_s2n, HAS_S0, HAS_S1, HAS_S2)  # fmt: skip
+            if ASYNC_SLICES > 0:
+                for r in gl.static_range(ASYNC_SLICES - 1):
+                    if r < SLICES:
+                        _copy_slice_async(w_slots, s0_slots, s1_slots, s2_slots, r % ASYNC_SLICES,
+                                          w_ptr, s0_ptr, s1_ptr, s2_ptr, first_rows + r * EPILOGUE_ROWS, rn, mask_n, M,
+                                          stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n,
+                                          stride_s2m, stride_s2n, HAS_S0, HAS_S1, HAS_S2)  # fmt: skip
+            else:
+                w, s0, s1, s2 = _load_slice(w_ptr, s0_ptr, s1_ptr, s2_ptr, first_rows, rn, mask_n, M,
+                                            stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n,
+                                            stride_s2m, stride_s2n, HAS_S0, HAS_S1, HAS_S2)  # fmt: skip
             mbarrier.wait(accumulator_full, handoff)
             for r in gl.static_range(SLICES):
                 rm = first_rows + r * EPILOGUE_ROWS
-                if r + 1 < SLICES:
+                if ASYNC_SLICES > 0:
+                    if r + ASYNC_SLICES - 1 < SLICES:
+                        _copy_slice_async(w_slots, s0_slots, s1_slots, s2_slots, (r + ASYNC_SLICES - 1) % ASYNC_SLICES,
+                                          w_ptr, s0_ptr, s1_ptr, s2_ptr,
+                                          first_rows + (r + ASYNC_SLICES - 1) * EPILOGUE_ROWS, rn,
+                                          mask_n, M, stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m,
+                                          stride_s1n, stride_s2m, stride_s2n, HAS_S0, HAS_S1, HAS_S2)  # fmt: skip
+                    else:
+                        async_copy.commit_group()  # an empty group: the wait below counts groups
+                    async_copy.wait_group(ASYNC_SLICES - 1)
+                    # Each thread reads back the elements it copied (the same layout), so its own
+                    # wait is the only synchronisation the slot needs.
+                    w = w_slots.index(r % ASYNC_SLICES).load(layout)
+                    s0 = w
+                    s1 = w
+                    s2 = w
+                    if HAS_S0:
+                        s0 = s0_slots.index(r % ASYNC_SLICES).load(layout)
+                    if HAS_S1:
+                        s1 = s1_slots.index(r % ASYNC_SLICES).load(layout)
+                    if HAS_S2:
+                        s2 = s2_slots.index(r % ASYNC_SLICES).load(layout)
+                elif r + 1 < SLICES:
                     next_w, next_s0, next_s1, next_s2 = _load_slice(
                         w_ptr, s0_ptr, s1_ptr, s2_ptr, rm + EPILOGUE_ROWS, rn, mask_n, M,
                         stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
@@ -188,30 +297,12 @@ if AVAILABLE:
                 if r == SLICES - 1:  # the whole tile has been read: the next one may be stored
                     gl.thread_barrier()
                     mbarrier.arrive(accumulator_free, count=1)
-                if CLAMP_MIN:  # clip_grad_value_ folded in; comparisons keep NaN, as torch.clamp does
-                    grad = gl.where(grad < grad_min, grad_min, grad)
-                if CLAMP_MAX:
-                    grad = gl.where(grad > grad_max, grad_max, grad)
-                new_w, new_s0, new_s1, new_s2 = ELEMENTWISE(
-                    w.to(gl.float32), grad, s0.to(gl.float32), s1.to(gl.float32), s2.to(gl.float32),
-                    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, O0, O1, O2, O3,
-                )  # fmt: skip
-                if ROUND_STOCHASTIC:
-                    element_index = (rm[:, None] + first_row) * N + rn[None, :]
-                    new_w = ROUND(new_w, element_index, key)
-                mask = (rm < M)[:, None] & mask_n[None, :]
-                gl.store(w_ptr + rm[:, None] * stride_wm + rn[None, :] * stride_wn,
-                         new_w.to(w_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-                if HAS_S0:
-                    gl.store(s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n,
-                             new_s0.to(s0_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-                if HAS_S1:
-                    gl.store(s1_ptr + rm[:, None] * stride_s1m + rn[None, :] * stride_s1n,
-                             new_s1.to(s1_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-                if HAS_S2:
-                    gl.store(s2_ptr + rm[:, None] * stride_s2m + rn[None, :] * stride_s2n,
-                             new_s2.to(s2_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-                if r + 1 < SLICES:
+                _update_slice(w, s0, s1, s2, grad, rm, rn, mask_n, M, N, first_row, key, grad_min, grad_max,
+                              w_ptr, s0_ptr, s1_ptr, s2_ptr, stride_wm, stride_wn, stride_s0m, stride_s0n,
+                              stride_s1m, stride_s1n, stride_s2m, stride_s2n, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9,
+                              ROUND_STOCHASTIC, ELEMENTWISE, HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3,
+                              CLAMP_MIN, CLAMP_MAX, ROUND)  # fmt: skip
+                if ASYNC_SLICES == 0 and r + 1 < SLICES:
                     w, s0, s1, s2 = next_w, next_s0, next_s1, next_s2
             handoff ^= 1
 
@@ -227,14 +318,27 @@ if AVAILABLE:
         CLAMP_MIN: gl.constexpr, CLAMP_MAX: gl.constexpr, INDEX_64: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
         GROUP_M: gl.constexpr, EPILOGUE_ROWS: gl.constexpr, EPILOGUE_WARPS: gl.constexpr,
-        EPILOGUE_REGISTERS: gl.constexpr, ROUNDING_KEY: gl.constexpr, ROUND: gl.constexpr,
-        num_warps: gl.constexpr,
+        EPILOGUE_REGISTERS: gl.constexpr, ASYNC_SLICES: gl.constexpr, ROUNDING_KEY: gl.constexpr,
+        ROUND: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         accumulator = gl.allocate_shared_memory(
             gl.float32, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float32)
         )
+        # The update partition's cp.async slots (ASYNC_SLICES of them; one unused slot without).
+        slot_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        slots: gl.constexpr = max(ASYNC_SLICES, 1)
+        w_slots = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [slots, EPILOGUE_ROWS, BLOCK_N], slot_layout)
+        s0_slots = w_slots
+        s1_slots = w_slots
+        s2_slots = w_slots
+        if ASYNC_SLICES > 0 and HAS_S0:
+            s0_slots = gl.allocate_shared_memory(s0_ptr.dtype.element_ty, [slots, EPILOGUE_ROWS, BLOCK_N], slot_layout)
+        if ASYNC_SLICES > 0 and HAS_S1:
+            s1_slots = gl.allocate_shared_memory(s1_ptr.dtype.element_ty, [slots, EPILOGUE_ROWS, BLOCK_N], slot_layout)
+        if ASYNC_SLICES > 0 and HAS_S2:
+            s2_slots = gl.allocate_shared_memory(s2_ptr.dtype.element_ty, [slots, EPILOGUE_ROWS, BLOCK_N], slot_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         accumulator_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -250,12 +354,13 @@ if AVAILABLE:
                 (_multiply_partition, (a_ring, b_ring, ready, empty, accumulator, accumulator_full, accumulator_free,
                                        M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, num_warps)),
                 (_update_partition, (accumulator, accumulator_full, accumulator_free,
-                                     w_ptr, s0_ptr, s1_ptr, s2_ptr, step_ptr, h0_ptr, h1_ptr, h2_ptr, h3_ptr, h4_ptr,
+                                     w_slots, s0_slots, s1_slots, s2_slots, w_ptr, s0_ptr, s1_ptr, s2_ptr, step_ptr, h0_ptr, h1_ptr, h2_ptr, h3_ptr, h4_ptr,
                                      h5_ptr, h6_ptr, h7_ptr, M, N, grad_min, grad_max, rounding_seed, first_row,
                                      stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n,
                                      stride_s2m, stride_s2n, ROUND_STOCHASTIC, COEFFICIENTS, ELEMENTWISE,
                                      HAS_S0, HAS_S1, HAS_S2, O0, O1, O2, O3, CLAMP_MIN, CLAMP_MAX, INDEX_64,
-                                     BLOCK_M, BLOCK_N, GROUP_M, EPILOGUE_ROWS, EPILOGUE_WARPS, ROUNDING_KEY, ROUND)),
+                                     BLOCK_M, BLOCK_N, GROUP_M, EPILOGUE_ROWS, EPILOGUE_WARPS, ASYNC_SLICES,
+                                     ROUNDING_KEY, ROUND)),
                 (_load_partition, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K,
                                    BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)),
             ],
@@ -290,6 +395,13 @@ def operand_descriptors(grad_output_t: torch.Tensor, input: torch.Tensor, block_
 @functools.cache
 def multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def shared_memory_bytes(device_index: int) -> int:
+    """Shared memory a program may use (opted in), less 1 KiB for the barriers and the compiler's own."""
+    properties = torch.cuda.get_device_properties(device_index)
+    return getattr(properties, "shared_memory_per_block_optin", 232448) - 1024
 
 
 @functools.cache

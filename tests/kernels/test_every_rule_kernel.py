@@ -24,8 +24,9 @@ from helpers import ON_GPU, TRITON_AVAILABLE
 
 SHAPE = (37, 29, 23)  # odd sizes: every tile edge is masked
 # The warp-specialised Hopper kernel reads dY and X by TMA, whose row strides must be
-# multiples of 16 bytes: rows and columns multiples of 8, one partial 128x128 tile on each axis.
-WARP_SPECIALIZED_SHAPE = (136, 264, 23)
+# multiples of 16 bytes: rows and columns multiples of 8, one partial 128x128 tile on each axis
+# (columns multiples of 16, so that the cp.async variant copies the weight and states).
+WARP_SPECIALIZED_SHAPE = (136, 272, 23)
 
 # One setting per option switch of each rule (torch's hyperparameter names).
 SETTINGS = {
@@ -65,6 +66,7 @@ def _on_hopper():
 IMPLEMENTATIONS = [
     pytest.param("triton", marks=pytest.mark.skipif(not TRITON_AVAILABLE, reason="needs a GPU or TRITON_INTERPRET=1")),
     pytest.param("warp-specialized", marks=pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper GPU")),
+    pytest.param("warp-specialized-async", marks=pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper GPU")),
     "torch",
 ]
 
@@ -85,7 +87,7 @@ def _random_grad_output_and_input(implementation):
     transposed view, as the graph hands it over)."""
     M, N, T = implementation.shape
     grid = lambda *shape: torch.randint(-16, 17, shape, device=DEVICE).float() / 8  # noqa: E731
-    if implementation == "warp-specialized":
+    if implementation.startswith("warp-specialized"):
         return grid(T, M).to(torch.bfloat16).t(), grid(T, N).to(torch.bfloat16)
     return grid(M, T), grid(T, N)
 
@@ -110,19 +112,23 @@ class _Implementation(str):
 @pytest.fixture(params=IMPLEMENTATIONS)
 def implementation(request, monkeypatch):
     name = _Implementation(request.param)
-    name.shape = WARP_SPECIALIZED_SHAPE if name == "warp-specialized" else SHAPE
+    warp_specialized = name.startswith("warp-specialized")
+    name.shape = WARP_SPECIALIZED_SHAPE if warp_specialized else SHAPE
     monkeypatch.setattr(config, "kernel", "torch" if name == "torch" else "triton")
-    if name != "warp-specialized":
+    if not warp_specialized:
         yield name
         return
-    from forge_compile.kernels import linear_update_hopper
+    from forge_compile.kernels import linear_update, linear_update_hopper
 
+    async_slices = 2 if name.endswith("async") else 0  # two fp32 slots of four tensors fit beside the ring
+    monkeypatch.setattr(linear_update, "HOPPER_TILE", (128, 128, 64, 3, 16, 8, 112, async_slices))
     launches = []
     launch = linear_update_hopper.launch
     monkeypatch.setattr(config, "warp_specialize", "always")
-    monkeypatch.setattr(linear_update_hopper, "launch", lambda *a, **k: (launches.append(1), launch(*a, **k)))
+    monkeypatch.setattr(linear_update_hopper, "launch", lambda *a, **k: (launches.append(a[4]), launch(*a, **k)))
     yield name
     assert launches, "the warp-specialised kernel did not run"
+    assert all(kernel_config["ASYNC_SLICES"] == async_slices for kernel_config in launches)
 
 
 @pytest.mark.parametrize("final_step", FINAL_STEPS)

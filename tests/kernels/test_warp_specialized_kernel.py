@@ -15,9 +15,10 @@ from helpers import ON_GPU
 ON_HOPPER = ON_GPU and hopper.AVAILABLE and torch.cuda.get_device_capability()[0] == 9
 pytestmark = pytest.mark.skipif(not ON_HOPPER, reason="the warp-specialised kernel runs on Hopper GPUs only")
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EPILOGUE_ROWS, EPILOGUE_WARPS, EPILOGUE_REGISTERS)
-TILES = [linear_update.HOPPER_TILE, (128, 128, 64, 3, 16, 8, 112), (64, 128, 64, 6, 16, 4, 192)]
-tile_id = "{}x{}x{}_s{}_rows{}_w{}_r{}".format
+# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EPILOGUE_ROWS, EPILOGUE_WARPS, EPILOGUE_REGISTERS, ASYNC_SLICES)
+TILES = [linear_update.HOPPER_TILE, (128, 128, 64, 3, 16, 8, 112, 0), (64, 128, 64, 6, 16, 4, 192, 0),
+         (128, 128, 64, 3, 16, 8, 112, 4)]  # fmt: skip
+tile_id = "{}x{}x{}_s{}_rows{}_w{}_r{}_async{}".format
 
 
 def _adamw_reference(w, m, v, g, step, lr, beta1, beta2, eps, wd):
@@ -78,6 +79,18 @@ def test_matches_float64_reference(tile, tokens, warp_specialized, monkeypatch):
         assert (error > 2e-6).float().mean().item() < 1e-6 * max(1, weight.numel() / 1e6), error.max()
         assert error.max().item() < 1e-4
     assert len(warp_specialized) == 2, "the launches did not take the warp-specialised kernel"
+    assert all(launch[4]["ASYNC_SLICES"] == tile[7] for launch in warp_specialized)
+
+
+def test_rows_cp_async_cannot_copy_in_16_bytes_are_loaded_into_registers(warp_specialized, monkeypatch):
+    """264 columns (not a multiple of 16): the cp.async variant runs with its slices loaded
+    into registers instead, and is still right."""
+    monkeypatch.setattr(linear_update, "HOPPER_TILE", TILES[3])
+    w, m, v, grad_output_t, x = _problem(136, 264, 77)
+    weight, _ = _run_adamw(w, m, v, grad_output_t, x)
+    ref_w, _, _ = _adamw_reference(w, m, v, grad_output_t.double() @ x.double(), 3.0, *HYPER)
+    assert ((weight.double() - ref_w).abs() > 2e-6).float().mean().item() < 1e-5
+    assert [launch[4]["ASYNC_SLICES"] for launch in warp_specialized] == [0]
 
 
 def test_unaligned_operands_fall_back_to_the_portable_kernel(warp_specialized):
@@ -97,7 +110,7 @@ def test_rounds_stochastically_with_the_torch_paths_bits(tile, warp_specialized,
     paths, so the fp32 updates agree to an ulp; bits drawn for another element would change
     about half of the weights that the rounding moves."""
     monkeypatch.setattr(linear_update, "HOPPER_TILE", tile)
-    M, N, T = 2 * tile[0] + 40, 3 * tile[1] + 8, 4 * tile[2] + 9
+    M, N, T = 2 * tile[0] + 40, 3 * tile[1] + 16, 4 * tile[2] + 9
     g = torch.Generator().manual_seed(7)
     weight = torch.randn(M, N, generator=g).to(torch.bfloat16).cuda()
     moments = [(0.1 * torch.randn(M, N, generator=g)).to(torch.bfloat16).cuda(),
