@@ -8,7 +8,10 @@ small that its GPU time is a few microseconds: calls per second are then the hos
 Triton's launch included (results/launch_overhead_cuda.json), beside the same calls with
 Triton's JIT function launching each time instead of the compiled kernel's launcher.
 
-    PYTHONPATH=. python benchmarks/launch_overhead.py [--device cuda]
+``--warp-specialized`` times the Hopper kernel's launch path the same way on any machine:
+its descriptors, arguments and launch up to the compiled kernel's launcher, which is stubbed.
+
+    PYTHONPATH=. python benchmarks/launch_overhead.py [--device cuda | --warp-specialized]
 """
 
 from __future__ import annotations
@@ -105,9 +108,66 @@ def on_gpu() -> int:
     return 0
 
 
+class _StubbedCompiledKernel:
+    """Stands in for a compiled Gluon kernel: its launcher does nothing."""
+
+    function = packed_metadata = None
+
+    def run(self, *args):
+        pass
+
+    def launch_metadata(self, *args):
+        return None
+
+
+def warp_specialized_launch() -> int:
+    """Host microseconds of the warp-specialised kernel's launch path (operand descriptors,
+    arguments, the compiled-kernel lookup), a 4096x4096 bf16 weight at T = 1024, its
+    compiled kernel's launcher stubbed out: runs without a GPU."""
+    import triton
+
+    from forge_compile import rules
+    from forge_compile.kernels import linear_update
+    from forge_compile.kernels import linear_update_hopper as hopper
+
+    class _Driver:  # the current CUDA stream, as the launch asks for it
+        class active:
+            get_current_stream = staticmethod(lambda device: 0)
+            get_current_device = staticmethod(lambda: 0)
+
+    class _Jit:  # the JIT function, compiling nothing
+        arg_names = hopper._hopper_linear_update_kernel.arg_names
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: _StubbedCompiledKernel()
+
+    hopper.driver, hopper._hopper_linear_update_kernel = _Driver, _Jit()
+    hopper.multiprocessors = lambda index: 132
+    torch.cuda.current_device = lambda: None
+    grad_output_t = torch.randn(1024, 4096, dtype=torch.bfloat16).t()
+    input = torch.randn(1024, 4096, dtype=torch.bfloat16)
+    weight = torch.randn(4096, 4096, dtype=torch.bfloat16)
+    moments = [torch.zeros_like(weight), torch.zeros_like(weight)]
+    step = torch.tensor(1.0)
+    hyperparameters = [torch.tensor(h, dtype=torch.float64) for h in (1e-3, 0.9, 0.999, 1e-8, 0.01)]
+    scalars = [step, *hyperparameters] + [step] * (rules.MAX_HYPERPARAMETERS - len(hyperparameters))
+    plan = linear_update._launch_plan("adam", (1, 0, 0, 1), False, True, False, False, False, "ieee")
+
+    def call():
+        descriptors = hopper.operand_descriptors(grad_output_t, input, *linear_update.HOPPER_TILE[:3])
+        linear_update._launch_warp_specialized(descriptors, weight, *moments, weight, scalars, 4096, 4096, 1024,
+                                               None, None, 7, 0, plan, False)  # fmt: skip
+
+    print(f"warp-specialised launch path: {_microseconds(call):.1f} us per call (triton {triton.__version__}, "
+          "the compiled kernel's launcher stubbed out)")
+    return 0
+
+
 def main() -> int:
     if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cuda":
         return on_gpu()
+    if "--warp-specialized" in sys.argv:
+        return warp_specialized_launch()
     import forge_compile  # noqa: F401  (registers the ops)
     from forge_compile import rules
     from forge_compile.config import config

