@@ -45,6 +45,7 @@ from benchmarks.kernel import (  # noqa: E402
 )  # fmt: skip
 from benchmarks.kernel_configs import _config  # noqa: E402
 from benchmarks.utils import write_result  # noqa: E402
+from forge_compile.kernels.tiling import grouped_tile_position  # noqa: E402
 
 CONFIGS = [
     "64x128x64_w8_s4_e2", "128x128x64_w16_s4_e2", "128x128x64_w8_s4_e2", "128x128x64_w8_s4_e4",
@@ -61,15 +62,7 @@ def _mainloop_kernel(
 ):  # fmt: skip
     """The fused kernel's program order and matmul loop; one sum per program out, so that
     the loop is not optimised away and almost nothing is stored."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile_position(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)

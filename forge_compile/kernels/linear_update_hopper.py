@@ -40,22 +40,12 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     AVAILABLE = hasattr(gl, "warp_specialize")
+    from .tiling import grouped_tile_position
 except ImportError:  # a Triton without Gluon: the portable kernel runs everywhere
     AVAILABLE = False
 
 
 if AVAILABLE:
-
-    @gluon.jit
-    def _tile_position(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-        """Grouped order: GROUP_M row blocks in turn share X's column panels in L2."""
-        num_pid_in_group = GROUP_M * num_pid_n
-        group_id = tile // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
-        pid_n = (tile % num_pid_in_group) // group_size_m
-        return pid_m, pid_n
 
     @gluon.jit
     def _load_partition(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K,
@@ -67,7 +57,7 @@ if AVAILABLE:
         slot_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
         counter = 0
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-            pid_m, pid_n = _tile_position(tile, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = grouped_tile_position(tile, num_pid_m, num_pid_n, GROUP_M)
             for k in range(k_tiles):
                 slot = counter % STAGES
                 # A fresh barrier is in phase 0, so waiting for the end of phase "1" passes:
@@ -112,24 +102,6 @@ if AVAILABLE:
             gl.thread_barrier()  # every warp of the group has stored its part
             mbarrier.arrive(accumulator_full, count=1)
             handoff ^= 1
-
-    @gluon.jit
-    def _load_slice(w_ptr, s0_ptr, s1_ptr, s2_ptr, rm, rn, mask_n, M,
-                    stride_wm, stride_wn, stride_s0m, stride_s0n, stride_s1m, stride_s1n, stride_s2m, stride_s2n,
-                    HAS_S0: gl.constexpr, HAS_S1: gl.constexpr, HAS_S2: gl.constexpr):  # fmt: skip
-        """The weight and state elements of rows ``rm``, columns ``rn``, in their own dtypes."""
-        mask = (rm < M)[:, None] & mask_n[None, :]
-        w = gl.load(w_ptr + rm[:, None] * stride_wm + rn[None, :] * stride_wn, mask=mask, other=0.0)
-        s0 = w
-        s1 = w
-        s2 = w
-        if HAS_S0:
-            s0 = gl.load(s0_ptr + rm[:, None] * stride_s0m + rn[None, :] * stride_s0n, mask=mask, other=0.0)
-        if HAS_S1:
-            s1 = gl.load(s1_ptr + rm[:, None] * stride_s1m + rn[None, :] * stride_s1n, mask=mask, other=0.0)
-        if HAS_S2:
-            s2 = gl.load(s2_ptr + rm[:, None] * stride_s2m + rn[None, :] * stride_s2n, mask=mask, other=0.0)
-        return w, s0, s1, s2
 
     @gluon.jit
     def _update_slice(w, s0, s1, s2, grad, rm, rn, mask_n, M, N, first_row, key, grad_min, grad_max,
@@ -244,7 +216,7 @@ if AVAILABLE:
         key = ROUNDING_KEY(rounding_seed, step)
         handoff = 0
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-            pid_m, pid_n = _tile_position(tile, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = grouped_tile_position(tile, num_pid_m, num_pid_n, GROUP_M)
             rn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=columns)
             first_rows = pid_m * BLOCK_M + gl.arange(0, EPILOGUE_ROWS, layout=rows)
             if INDEX_64:
