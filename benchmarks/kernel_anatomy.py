@@ -45,7 +45,7 @@ from benchmarks.kernel import (  # noqa: E402
 )  # fmt: skip
 from benchmarks.kernel_configs import _config  # noqa: E402
 from benchmarks.utils import write_result  # noqa: E402
-from forge_compile.kernels.tiling import grouped_tile_position  # noqa: E402
+from forge_compile.kernels.common import grouped_tile_position  # noqa: E402
 
 CONFIGS = [
     "64x128x64_w8_s4_e2", "128x128x64_w16_s4_e2", "128x128x64_w8_s4_e2", "128x128x64_w8_s4_e4",

@@ -29,7 +29,7 @@ from triton.runtime.driver import driver
 from .. import rules
 from ..config import config
 from . import linear_update_hopper as hopper
-from .tiling import grouped_tile_position
+from .common import grouped_tile_position, step_coefficients
 from ..rules import storage
 from ..rules.storage import (
     dequantize_blocks,
@@ -178,16 +178,8 @@ def _fused_linear_update_kernel(
     if CLAMP_MAX:
         acc = tl.where(acc > grad_max, grad_max, acc)
 
-    # Per-step scalars, once per program, in fp64; the tile math is fp32.
-    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9 = COEFFICIENTS(
-        tl.load(step_ptr).to(tl.float64),
-        tl.load(h0_ptr).to(tl.float64), tl.load(h1_ptr).to(tl.float64), tl.load(h2_ptr).to(tl.float64),
-        tl.load(h3_ptr).to(tl.float64), tl.load(h4_ptr).to(tl.float64), tl.load(h5_ptr).to(tl.float64),
-        tl.load(h6_ptr).to(tl.float64), tl.load(h7_ptr).to(tl.float64),
-    )  # fmt: skip
-    coefficients = (c0.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32), c3.to(tl.float32),
-                    c4.to(tl.float32), c5.to(tl.float32), c6.to(tl.float32), c7.to(tl.float32),
-                    c8.to(tl.float32), c9.to(tl.float32))  # fmt: skip
+    coefficients = step_coefficients(COEFFICIENTS, step_ptr, h0_ptr, h1_ptr, h2_ptr, h3_ptr, h4_ptr, h5_ptr, h6_ptr,
+                                     h7_ptr)  # fmt: skip
     step = tl.load(step_ptr)
 
     # The rule runs on EPILOGUE_SPLIT column slices of the tile in turn: the weight, state

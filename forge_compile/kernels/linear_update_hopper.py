@@ -40,7 +40,7 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     AVAILABLE = hasattr(gl, "warp_specialize")
-    from .tiling import grouped_tile_position
+    from .common import grouped_tile_position, step_coefficients
 except ImportError:  # a Triton without Gluon: the portable kernel runs everywhere
     AVAILABLE = False
 
@@ -203,15 +203,9 @@ if AVAILABLE:
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [EPILOGUE_WARPS, 1], [1, 0])
         rows: gl.constexpr = gl.SliceLayout(1, layout)
         columns: gl.constexpr = gl.SliceLayout(0, layout)
-        # Per-step scalars once per program, in fp64; the tile math is fp32.
-        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9 = COEFFICIENTS(
-            gl.load(step_ptr).to(gl.float64),
-            gl.load(h0_ptr).to(gl.float64), gl.load(h1_ptr).to(gl.float64), gl.load(h2_ptr).to(gl.float64),
-            gl.load(h3_ptr).to(gl.float64), gl.load(h4_ptr).to(gl.float64), gl.load(h5_ptr).to(gl.float64),
-            gl.load(h6_ptr).to(gl.float64), gl.load(h7_ptr).to(gl.float64),
-        )  # fmt: skip
-        c0, c1, c2, c3, c4 = c0.to(gl.float32), c1.to(gl.float32), c2.to(gl.float32), c3.to(gl.float32), c4.to(gl.float32)
-        c5, c6, c7, c8, c9 = c5.to(gl.float32), c6.to(gl.float32), c7.to(gl.float32), c8.to(gl.float32), c9.to(gl.float32)
+        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9 = step_coefficients(
+            COEFFICIENTS, step_ptr, h0_ptr, h1_ptr, h2_ptr, h3_ptr, h4_ptr, h5_ptr, h6_ptr, h7_ptr
+        )
         step = gl.load(step_ptr)
         key = ROUNDING_KEY(rounding_seed, step)
         handoff = 0
