@@ -213,8 +213,12 @@ def cudagraphs_section() -> list[str]:
     lines = [
         f"**CUDA graphs** ({c['model']} shape cut to {c['layers']} layers, micro-batch {c['batch']} x {c['seq']}; "
         f"{env['gpu']}, torch {env['torch']}, {env['date'][:10]}; `{env['command']}`; raw data: "
-        "`benchmarks/results/step_4layers.json`). With `mode=\"reduce-overhead\"` the step replays as CUDA graphs "
-        "(no graph was skipped in either backend), so its time is GPU time alone:",
+        "`benchmarks/results/step_4layers.json`). With `mode=\"reduce-overhead\"` Inductor replays the step's graphs "
+        "as CUDA graphs where it can, without the host's launches; "
+        + (", ".join(f"{STEP_MODES[m]}: {cases[m]['cudagraph_skip_count']} graphs run without" for m in cases
+                     if "cudagraph_skip_count" in cases[m])
+           or "this run did not record whether Inductor ran any graph without them")
+        + ":",
         "",
         "| mode | step (median) | first step |",
         "|---|---|---|",

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import statistics
 import sys
@@ -114,18 +113,6 @@ def timed_ms(step, batch, device):
     return begin.elapsed_time(end), loss
 
 
-class _SkippedCudagraphs(logging.Handler):
-    """Collects Inductor's "skipping cudagraphs due to ..." warnings."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        if "skipping cudagraphs" in record.getMessage():
-            self.messages.append(record.getMessage())
-
-
 def _peak_bytes(device):
     return torch.cuda.max_memory_allocated() if device.type == "cuda" else None
 
@@ -135,8 +122,6 @@ def worker(model_name: str, mode: str, batch: int, seq: int, device: str = "cuda
     result = {"model": model_name, "mode": mode, "batch": batch, "seq": seq, "device": device.type}
     if layers:
         result["layers"] = layers
-    skipped_cudagraphs = _SkippedCudagraphs()
-    logging.getLogger("torch").addHandler(skipped_cudagraphs)
     try:
         model, config = build(model_name, device, layers)
         result["parameters"] = sum(p.numel() for p in model.parameters())
@@ -168,8 +153,10 @@ def worker(model_name: str, mode: str, batch: int, seq: int, device: str = "cuda
             losses.append(float(loss))
         result.update(step_ms_median=statistics.median(times), step_ms_all=times, peak_bytes=_peak_bytes(device),
                       loss=losses[-1], losses=losses, status="ok")  # fmt: skip
-        if mode.endswith("_cudagraphs"):  # why Inductor ran a graph without CUDA graphs, if it did
-            result["cudagraph_skips"] = sorted(set(skipped_cudagraphs.messages))
+        if mode.endswith("_cudagraphs"):  # how many graphs Inductor ran without CUDA graphs
+            from torch._dynamo.utils import counters
+
+            result["cudagraph_skip_count"] = counters["inductor"]["cudagraph_skips"]
     except torch.OutOfMemoryError as error:
         result.update(status="out_of_memory", error=str(error).splitlines()[0])
     return result

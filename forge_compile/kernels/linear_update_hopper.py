@@ -26,6 +26,7 @@ columns) and plain (not 8-bit) states; other launches use the portable kernel.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import triton
@@ -39,7 +40,10 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    AVAILABLE = hasattr(gl, "warp_specialize")
+    # warp_specialize([(function, args), ...], worker warps, worker registers) is Triton 3.6's
+    # form; earlier Gluon took the default partition's and the workers' arguments apart.
+    AVAILABLE = (hasattr(gl, "warp_specialize")
+                 and next(iter(inspect.signature(gl.warp_specialize).parameters)) == "functions_and_args")  # fmt: skip
     from .common import grouped_tile_position, step_coefficients
 except ImportError:  # a Triton without Gluon: the portable kernel runs everywhere
     AVAILABLE = False
@@ -218,6 +222,7 @@ if AVAILABLE:
                 first_rows = first_rows.to(gl.int64)
             mask_n = rn < N
             if ASYNC_SLICES > 0:
+                gl.static_assert(ASYNC_SLICES <= SLICES + 1, "at most one slot more than a tile has slices")
                 for r in gl.static_range(ASYNC_SLICES - 1):
                     if r < SLICES:
                         _copy_slice_async(w_slots, s0_slots, s1_slots, s2_slots, r % ASYNC_SLICES,
@@ -241,8 +246,8 @@ if AVAILABLE:
                     else:
                         async_copy.commit_group()  # an empty group: the wait below counts groups
                     async_copy.wait_group(ASYNC_SLICES - 1)
-                    # Each thread reads back the elements it copied (the same layout), so its own
-                    # wait is the only synchronisation the slot needs.
+                    # The slot is read in the layout it was copied in; Triton's barrier pass adds
+                    # the partition's bar.sync after the wait and before the slot is refilled.
                     w = w_slots.index(r % ASYNC_SLICES).load(layout)
                     s0 = w
                     s1 = w
@@ -347,7 +352,8 @@ def operand_descriptors(grad_output_t: torch.Tensor, input: torch.Tensor, block_
     for t in (dy, x):
         if t.dtype not in (torch.bfloat16, torch.float16) or t.stride(1) != 1 or t.data_ptr() % 16:
             return None
-        if (t.stride(0) * t.element_size()) % 16:
+        # TMA needs rows that do not overlap (no expanded views), 16-byte aligned, and no empty dimension.
+        if (t.stride(0) * t.element_size()) % 16 or t.stride(0) < t.shape[1] or 0 in t.shape:
             return None
     if dy.dtype != x.dtype:
         return None
@@ -386,6 +392,10 @@ def is_hopper(device_index: int) -> bool:
 _TENSORS = 13  # the weight, three state slots, the step and eight hyperparameters
 _COMPILED: dict[tuple, tuple] = {}
 """The compiled kernel and its trailing constexpr arguments per variant and specialization."""
+if AVAILABLE:  # launch's slices of its arguments, against the kernel's signature (after the two descriptors)
+    _NAMES = _hopper_linear_update_kernel.arg_names[2:]
+    assert _NAMES[_TENSORS - 1] == "h7_ptr" and _NAMES[_TENSORS : _TENSORS + 3] == ["M", "N", "K"]
+    assert _NAMES[_TENSORS + 5 : _TENSORS + 7] == ["rounding_seed", "first_row"] and _NAMES[_TENSORS + 7] == "stride_wm"
 
 
 def launch(grid_size: int, descriptors, args: tuple, constexprs: dict, config: dict, variant: tuple) -> None:
@@ -398,6 +408,7 @@ def launch(grid_size: int, descriptors, args: tuple, constexprs: dict, config: d
     tensors = args[:_TENSORS]
     key = (
         variant,
+        tensors[0].device.index,  # a compiled kernel's function is loaded in one device's context
         descriptors[0].base.dtype,
         tuple([t.dtype for t in tensors]),
         tuple([t.data_ptr() % 16 == 0 for t in tensors]),
