@@ -120,8 +120,10 @@ def implementation(request, monkeypatch):
         return
     from forge_compile.kernels import linear_update, linear_update_hopper
 
-    async_slices = 2 if name.endswith("async") else 0  # two fp32 slots of four tensors fit beside the ring
-    monkeypatch.setattr(linear_update, "HOPPER_TILE", (128, 128, 64, 3, 16, 8, 112, async_slices))
+    # The default tile, or its cp.async variant: two fp32 slots of four tensors fit beside a 3-stage ring.
+    tile = (128, 128, 64, 3, 16, 8, 112, 2) if name.endswith("async") else linear_update.HOPPER_TILE
+    async_slices = tile[7]
+    monkeypatch.setattr(linear_update, "HOPPER_TILE", tile)
     launches = []
     launch = linear_update_hopper.launch
     monkeypatch.setattr(config, "warp_specialize", "always")
