@@ -127,7 +127,7 @@ def warp_specialized_launch() -> int:
     import triton
 
     from forge_compile import rules
-    from forge_compile.kernels import linear_update
+    from forge_compile.kernels import common, linear_update
     from forge_compile.kernels import linear_update_hopper as hopper
 
     class _Driver:  # the current CUDA stream, as the launch asks for it
@@ -141,7 +141,7 @@ def warp_specialized_launch() -> int:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: _StubbedCompiledKernel()
 
-    hopper.driver, hopper._hopper_linear_update_kernel = _Driver, _Jit()
+    common.driver, hopper._hopper_linear_update_kernel = _Driver, _Jit()
     hopper.multiprocessors = lambda index: 132
     torch.cuda.current_device = lambda: None
     grad_output_t = torch.randn(1024, 4096, dtype=torch.bfloat16).t()

@@ -2,6 +2,16 @@
 
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime.driver import driver
+
+
+def launch_compiled(kernel, grid: tuple[int, int, int], arguments: tuple) -> None:
+    """What Triton's JIT function does to launch a kernel it has compiled already: on the
+    current stream, with its launch hooks, all ``arguments`` (constexprs included) in order."""
+    stream = driver.active.get_current_stream(driver.active.get_current_device())
+    kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, kernel.launch_metadata(grid, stream, *arguments),
+               knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *arguments)  # fmt: skip
 
 
 @triton.jit

@@ -23,13 +23,11 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
-from triton.runtime.driver import driver
 
 from .. import rules
 from ..config import config
 from . import linear_update_hopper as hopper
-from .common import grouped_tile_position, step_coefficients
+from .common import grouped_tile_position, launch_compiled, step_coefficients
 from ..rules import storage
 from ..rules.storage import (
     dequantize_blocks,
@@ -667,12 +665,7 @@ class _CompiledLaunch:
                    tuple(constexprs[name] for name in _KERNEL_ARGUMENTS[len(args):]))  # fmt: skip
 
     def __call__(self, args) -> None:
-        kernel = self.kernel
-        stream = driver.active.get_current_stream(driver.active.get_current_device())
-        arguments = (*args, *self.constexpr_values)
-        kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata,
-                   kernel.launch_metadata(self.grid, stream, *arguments), knobs.runtime.launch_enter_hook,
-                   knobs.runtime.launch_exit_hook, *arguments)  # fmt: skip
+        launch_compiled(self.kernel, self.grid, (*args, *self.constexpr_values))
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,6 @@ import inspect
 
 import torch
 import triton
-from triton import knobs
-from triton.runtime.driver import driver
 
 try:
     from triton.experimental import gluon
@@ -44,7 +42,7 @@ try:
     # form; earlier Gluon took the default partition's and the workers' arguments apart.
     AVAILABLE = (hasattr(gl, "warp_specialize")
                  and next(iter(inspect.signature(gl.warp_specialize).parameters)) == "functions_and_args")  # fmt: skip
-    from .common import grouped_tile_position, step_coefficients
+    from .common import grouped_tile_position, launch_compiled, step_coefficients
 except ImportError:  # a Triton without Gluon: the portable kernel runs everywhere
     AVAILABLE = False
 
@@ -424,9 +422,4 @@ def launch(grid_size: int, descriptors, args: tuple, constexprs: dict, config: d
             _COMPILED[key] = (kernel, tuple({**constexprs, **config}[name] for name in names))
         return
     kernel, tail = compiled
-    stream = driver.active.get_current_stream(driver.active.get_current_device())
-    arguments = (*descriptors, *args, *tail)
-    grid = (grid_size, 1, 1)
-    kernel.run(grid_size, 1, 1, stream, kernel.function, kernel.packed_metadata,
-               kernel.launch_metadata(grid, stream, *arguments), knobs.runtime.launch_enter_hook,
-               knobs.runtime.launch_exit_hook, *arguments)  # fmt: skip
+    launch_compiled(kernel, (grid_size, 1, 1), (*descriptors, *args, *tail))
