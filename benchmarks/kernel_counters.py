@@ -9,6 +9,8 @@ why warps stall. ncu replays each kernel with its memory restored and its caches
 so the figures are of one cold launch (kernel.py's timings rotate warm inputs instead).
 
     PYTHONPATH=. python benchmarks/kernel_counters.py --configs 64x128x64_w8_s4_e2,128x128x64_w16_s4_e2
+    PYTHONPATH=. python benchmarks/kernel_counters.py --configs ws_128x128_w8r16,ws_128x128_w8r16_s3_async3 \
+        --tokens 1024 --output-name kernel_counters_warp_specialized
     # writes results/kernel_counters.json: one row per launch, every metric ncu reported
 """
 
@@ -32,7 +34,7 @@ from benchmarks.utils import write_result  # noqa: E402
 
 SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis", "Occupancy", "LaunchStats",
             "WarpStateStats", "SchedulerStats"]  # fmt: skip
-KERNELS = "regex:_fused_linear_update_kernel|nvjet|gemm|adam|multi_tensor_apply"
+KERNELS = "regex:_fused_linear_update_kernel|_hopper_linear_update_kernel|nvjet|gemm|adam|multi_tensor_apply"
 SUMMARY = [  # raw metric names (Hopper) printed per launch; all that ncu reported go to the result file
     "gpu__time_duration.sum", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes.sum.per_second",
     "lts__throughput.avg.pct_of_peak_sustained_elapsed", "sm__throughput.avg.pct_of_peak_sustained_elapsed",
@@ -61,9 +63,18 @@ def worker(M: int, N: int, T: int, names: list[str]) -> None:
     rule = rules.get("adam")
     hyper = [torch.tensor(h, dtype=torch.float64, device=device) for h in (LR, BETA1, BETA2, EPS, WEIGHT_DECAY)]
     step = torch.tensor(10.0, device=device)
+    from benchmarks.kernel_warp_specialized import VARIANTS
+    from forge_compile.config import config
+
+    default_tile = linear_update.HOPPER_TILE
     for name in names:
-        with linear_update.only_config(_config(name)):
+        if name in VARIANTS:  # a tile of the warp-specialised kernel
+            config.warp_specialize, linear_update.HOPPER_TILE = "always", VARIANTS[name]
             linear_update.fused_linear_update(rule, w, dy.t(), x, [m, v], step, hyper, (1, 0, 0, 1))
+        else:
+            config.warp_specialize, linear_update.HOPPER_TILE = "never", default_tile
+            with linear_update.only_config(_config(name)):
+                linear_update.fused_linear_update(rule, w, dy.t(), x, [m, v], step, hyper, (1, 0, 0, 1))
         torch.cuda.synchronize()
     grad = dy.t() @ x
     torch._fused_adamw_([w], [grad], [m], [v], [], [step], lr=LR, beta1=BETA1, beta2=BETA2, weight_decay=WEIGHT_DECAY,
@@ -104,7 +115,8 @@ def _summary(launch: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", required=True, help="comma-separated config names (kernel_configs.py's)")
+    parser.add_argument("--configs", required=True,
+                        help="comma-separated config names: kernel_configs.py's, or kernel_warp_specialized.py's VARIANTS")
     parser.add_argument("--shapes", default="14336x4096")
     parser.add_argument("--tokens", default="512,1024")
     parser.add_argument("--output-name", default="kernel_counters")
@@ -128,7 +140,7 @@ def main() -> int:
             print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
             rows.append({"M": M, "N": N, "T": T, "error": (done.stderr or done.stdout)[-2000:]})
             continue
-        fused = [launch for launch in launches if "fused_linear_update" in launch["kernel"]]
+        fused = [launch for launch in launches if "linear_update_kernel" in launch["kernel"]]
         for name, launch in zip(names, fused):
             launch["config"] = name
         for launch in launches:

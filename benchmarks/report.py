@@ -231,7 +231,7 @@ def cudagraphs_section() -> list[str]:
 
 
 def warp_specialized_section() -> list[str]:
-    data = _result("kernel_warp_specialized_h100")
+    data = _result("kernel_warp_specialized_tiles_h100")
     if data is None:
         return []
     env, rows = data["environment"], data["rows"]
@@ -239,13 +239,16 @@ def warp_specialized_section() -> list[str]:
     lines = [
         f"**The warp-specialised Hopper kernel** (kernels/linear_update_hopper.py; {env['gpu']}, torch {env['torch']}, "
         f"triton {env['triton']}, {env['date'][:10]}; `{env['command']}`; raw data: "
-        "`benchmarks/results/kernel_warp_specialized_h100.json`). One layer's dW plus AdamW, bf16 weight and "
-        "states, stochastic rounding; GPU time (CUDA-graph replays, median) in ms. Variants are BLOCK_MxBLOCK_N, "
-        "update warps w and rows r a slice, ring stages s (default 4). forge runs the first (`linear_update.HOPPER_TILE`) "
-        "where `config.warp_specialize=\"auto\"` (the default) finds it measured faster than the portable kernel: "
-        "T >= 1024 and at least 256 tiles.",
+        "`benchmarks/results/kernel_warp_specialized_tiles_h100.json`, and earlier tiles with 1024x1024 in "
+        "`kernel_warp_specialized_h100.json`). One layer's dW plus AdamW, bf16 weight and states, stochastic "
+        "rounding; GPU time (CUDA-graph replays, median) in ms. Variants are 128x128 tiles with update warps w and "
+        "rows r a slice, ring stages s (default 4) and slices copied ahead by cp.async. forge's tile "
+        "(`linear_update.HOPPER_TILE`), chosen from this run, is `w8r16_async2`; `config.warp_specialize=\"auto\"` "
+        "(the default) takes the warp-specialised kernel where it measured faster than the portable one: T >= 512 "
+        "and at least 256 tiles.",
         "",
-        "| weight | T | cuBLAS + fused AdamW | portable kernel | " + " | ".join(names) + " | floor |",
+        "| weight | T | cuBLAS + fused AdamW | portable kernel | " + " | ".join(n.removeprefix("ws_128x128_") for n in names)
+        + " | floor |",
         "|---|---|---|---|" + "---|" * len(names) + "---|",
     ]
     for r in rows:

@@ -482,9 +482,10 @@ def _launch(rule, weight, a, b, *, states, step, hyperparameters, options, grad_
     s0, s1, s2 = slots
     q0, q1, q2 = scale_slots
     if not gradient_given and not quantized_states and _warp_specialized_kernel_chosen(weight, M, N, K):
-        descriptors = hopper.operand_descriptors(a, b, *HOPPER_TILE[:3])
+        tile = HOPPER_TILE
+        descriptors = hopper.operand_descriptors(a, b, *tile[:3])
         if descriptors is not None:
-            _launch_warp_specialized(descriptors, weight, s0, s1, s2, scalars, M, N, K, grad_min, grad_max,
+            _launch_warp_specialized(tile, descriptors, weight, s0, s1, s2, scalars, M, N, K, grad_min, grad_max,
                                      rounding_seed, first_row, plan, index_64)  # fmt: skip
             return
     args = (
@@ -509,19 +510,29 @@ def _launch(rule, weight, a, b, *, states, step, hyperparameters, options, grad_
         _run_kernel(grid, args, constexprs, tuning_key, variant)
 
 
-HOPPER_TILE = (128, 128, 64, 4, 16, 8, 112, 0)
+HOPPER_TILE = (128, 128, 64, 4, 16, 8, 112, 2)
 """The warp-specialised kernel's (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EPILOGUE_ROWS,
-EPILOGUE_WARPS, EPILOGUE_REGISTERS, ASYNC_SLICES); see benchmarks/kernel_warp_specialized.py."""
+EPILOGUE_WARPS, EPILOGUE_REGISTERS, ASYNC_SLICES). With few tokens the update warps are
+the bottleneck, and copying the weight and states two slices ahead by cp.async hides
+their loads; with many the matmul is, and it wants the fourth ring stage, which a third
+cp.async slice would cost in shared memory. H100, bf16 weight and states, GPU time over
+14336x4096, 4096x14336, 4096x4096 and 1024x4096 at T = 512..4096
+(results/kernel_warp_specialized_tiles_h100.json), against the best of four tiles in each
+case: 1.2% behind (geometric mean; 4.6% at worst), where the same tile without cp.async
+was 11% behind at T <= 1024 and a three-stage ring with three slices 15% at T >= 2048.
+14336x4096: 0.361 against 0.416 ms without cp.async at T = 512, 0.908 against 0.911 at
+T = 4096."""
 
 
 def warp_specialized_kernel_wins(M: int, N: int, K: int) -> bool:
     """Where the warp-specialised kernel measured faster than the portable one: at least
-    1024 tokens and 256 of its 128x128 tiles. On an H100, bf16 weight and states, stochastic
-    rounding, GPU time (results/kernel_warp_specialized_h100.json): 14336x4096 0.461 against
-    0.532 ms at T = 1024 and 0.936 against 1.260 at T = 4096, but 0.414 against 0.405 at
-    T = 512; 4096x4096 0.134 / 0.154 at T = 1024; 1024x4096 0.040 / 0.041 at T = 1024, 0.036
-    / 0.033 at T = 512; 1024x1024 (64 tiles) 0.022 / 0.020 at T = 1024."""
-    return K >= 1024 and M * N >= 256 * 128 * 128
+    512 tokens and 256 of its 128x128 tiles. On an H100, bf16 weight and states, stochastic
+    rounding, GPU time (results/kernel_warp_specialized_tiles_h100.json): 14336x4096 0.361
+    against 0.402 ms (portable) at T = 512, 0.456 against 0.527 at T = 1024, 0.908 against
+    1.215 at T = 4096; 4096x4096 0.109 against 0.120 and 1024x4096 (256 tiles) 0.032
+    against 0.033 at T = 512. Earlier (results/kernel_warp_specialized_h100.json) 1024x1024
+    (64 tiles) took 0.022 against 0.020 at T = 1024."""
+    return K >= 512 and M * N >= 256 * 128 * 128
 
 
 def _warp_specialized_kernel_chosen(weight: torch.Tensor, M: int, N: int, K: int) -> bool:
@@ -533,9 +544,9 @@ def _warp_specialized_kernel_chosen(weight: torch.Tensor, M: int, N: int, K: int
     return setting == "always" or warp_specialized_kernel_wins(M, N, K)
 
 
-def _launch_warp_specialized(descriptors, weight, s0, s1, s2, scalars, M, N, K, grad_min, grad_max, rounding_seed,
-                             first_row, plan, index_64) -> None:  # fmt: skip
-    block_m, block_n, block_k, stages, epilogue_rows, _, _, async_slices = HOPPER_TILE
+def _launch_warp_specialized(tile, descriptors, weight, s0, s1, s2, scalars, M, N, K, grad_min, grad_max,
+                             rounding_seed, first_row, plan, index_64) -> None:  # fmt: skip
+    block_m, block_n, block_k, stages, epilogue_rows, _, _, async_slices = tile
     if async_slices:
         c = plan.constexprs
         active = [weight] + [t for t, has in ((s0, c["HAS_S0"]), (s1, c["HAS_S1"]), (s2, c["HAS_S2"])) if has]
@@ -550,10 +561,10 @@ def _launch_warp_specialized(descriptors, weight, s0, s1, s2, scalars, M, N, K, 
         *weight.stride(), *s0.stride(), *s1.stride(), *s2.stride(),
     )  # fmt: skip
     # The plan is one cached object per combination of switches: its identity stands for them.
-    variant = (id(plan), index_64, HOPPER_TILE, async_slices)
+    variant = (id(plan), index_64, tile, async_slices)
     settings = _WARP_SPECIALIZED_SETTINGS.get(variant)
     if settings is None:
-        settings = _WARP_SPECIALIZED_SETTINGS[variant] = _warp_specialized_settings(plan, index_64, async_slices)
+        settings = _WARP_SPECIALIZED_SETTINGS[variant] = _warp_specialized_settings(tile, plan, index_64, async_slices)
     constexprs, kernel_config = settings
     grid_size = min(triton.cdiv(M, block_m) * triton.cdiv(N, block_n), hopper.multiprocessors(weight.device.index))
     if weight.device.index != torch.cuda.current_device():
@@ -568,8 +579,8 @@ _WARP_SPECIALIZED_SETTINGS: dict[tuple, tuple[dict, dict]] = {}
 linear_update_hopper._operand_layouts for what the two caches saved)."""
 
 
-def _warp_specialized_settings(plan, index_64: bool, async_slices: int) -> tuple[dict, dict]:
-    block_m, block_n, block_k, stages, epilogue_rows, epilogue_warps, epilogue_registers, _ = HOPPER_TILE
+def _warp_specialized_settings(tile, plan, index_64: bool, async_slices: int) -> tuple[dict, dict]:
+    block_m, block_n, block_k, stages, epilogue_rows, epilogue_warps, epilogue_registers, _ = tile
     c = plan.constexprs
     constexprs = dict(
         ROUND_STOCHASTIC=c["ROUND_STOCHASTIC"], COEFFICIENTS=c["COEFFICIENTS"], ELEMENTWISE=c["ELEMENTWISE"],

@@ -120,8 +120,9 @@ def implementation(request, monkeypatch):
         return
     from forge_compile.kernels import linear_update, linear_update_hopper
 
-    # The default tile, or its cp.async variant: two fp32 slots of four tensors fit beside a 3-stage ring.
-    tile = (128, 128, 64, 3, 16, 8, 112, 2) if name.endswith("async") else linear_update.HOPPER_TILE
+    # forge's tile without cp.async (as fp32 weight and states take it), or with: two fp32 slots of
+    # four tensors fit beside a 3-stage ring.
+    tile = (128, 128, 64, 3, 16, 8, 112, 2) if name.endswith("async") else (*linear_update.HOPPER_TILE[:7], 0)
     async_slices = tile[7]
     monkeypatch.setattr(linear_update, "HOPPER_TILE", tile)
     launches = []
@@ -147,21 +148,45 @@ def test_fused_op_matches_torch_optim_in_float64(implementation, torch_class, se
     # A copy: load_state_dict keeps torch's CPU step tensors as they are, shared with the reference.
     optimizer.load_state_dict(copy.deepcopy(reference.state_dict()))
 
+    # torch.optim's own step in fp32 from the same state: the error it makes sizes the
+    # tolerance where the rule is ill-conditioned (below).
+    fp32_weight = torch.nn.Parameter(reference_weight.detach().float())
+    fp32_reference = torch_class([fp32_weight], **settings)
+    fp32_reference.load_state_dict(copy.deepcopy(reference.state_dict()))
+
     grad_output_t, input = _random_grad_output_and_input(implementation)
     _fused_step(optimizer, weight, grad_output_t, input)
     reference_weight.grad = grad_output_t.double() @ input.double()
     reference.step()
+    fp32_weight.grad = reference_weight.grad.float()  # exact: the grid operands
+    fp32_reference.step()
 
-    # fp32 tile math against float64 on an exact gradient: what is left is fp32 rounding of
-    # the rule's arithmetic (measured: at most 3.6e-7 on weights and states, seeds 0 and 1).
-    torch.testing.assert_close(weight.detach().double(), reference_weight.detach(), atol=2e-6, rtol=2e-6)
-    expected_state = reference.state[reference_weight]
+    _assert_as_close_as_fp32_can_be(weight, reference_weight, fp32_weight, "weight")
+    expected_state, fp32_state = reference.state[reference_weight], fp32_reference.state[fp32_weight]
     for key, value in optimizer.state[weight].items():
         if key in expected_state:
             expected = torch.as_tensor(expected_state[key], dtype=torch.float64).to(DEVICE)
-            torch.testing.assert_close(value.double(), expected, atol=2e-6, rtol=2e-6, msg=lambda m: f"{key}: {m}")
+            fp32 = torch.as_tensor(fp32_state[key]).to(DEVICE)
+            _assert_as_close_as_fp32_can_be(value, expected, fp32, key)
     if "step" in expected_state:  # SGD keeps none (forge's own count is hidden)
         assert float(optimizer.state[weight]["step"]) == final_step
+
+
+def _assert_as_close_as_fp32_can_be(actual, expected, fp32_torch, what):
+    """fp32 tile math against float64 on an exact gradient: what is left is fp32 rounding of
+    the rule's arithmetic, at most 3.6e-7 on weights and states (measured, seeds 0 and 1).
+    Where weight decay all but cancels the gradient (RMSprop centered with decay, maximize:
+    ``g = 0.156 - 0.1 * 1.5625`` is 2e-6, so eps moves the update by 5%), any fp32 rounding
+    of ``g`` is amplified, and an order of operations other than torch's can round it twice
+    where torch rounds once (measured: forge 2.04x torch's miss on the worst momentum
+    element). There each element may miss by four times torch.optim's own fp32 miss."""
+    actual, expected, fp32_miss = actual.detach().double(), expected.detach(), (fp32_torch.detach().double() - expected).abs()
+    allowed = 2e-6 + 2e-6 * expected.abs() + 4 * fp32_miss
+    excess = (actual - expected).abs() - allowed
+    worst = int(excess.argmax())
+    assert excess.max() <= 0, (f"{what}: {int((excess > 0).sum())} of {excess.numel()} elements beyond fp32 rounding; "
+                               f"worst {actual.flatten()[worst].item()!r} against {expected.flatten()[worst].item()!r} "
+                               f"(torch.optim in fp32: {fp32_torch.detach().flatten()[worst].item()!r})")  # fmt: skip
 
 
 LION_SETTINGS = [dict(lr=1e-2), dict(lr=3e-3, betas=(0.95, 0.98), weight_decay=0.5, maximize=True)]
