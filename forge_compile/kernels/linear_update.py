@@ -524,11 +524,11 @@ was 11% behind at T <= 1024 and a three-stage ring with three slices 15% at T >=
 T = 4096.
 
 Eight update warps: four took 2.2 to 2.8 times as long on 14336x4096
-(results/kernel_warp_specialized_h100.json), and sixteen do not compile. Triton 3.6 pads
-the one-warp load partition to a warpgroup, so 4 + 16 + 4 warps leave a base of 80
-registers a thread, and ptxas needs 90 there for the multiply partition's wgmma (and for
-the calls into the IEEE div and sqrt slow paths); checked with ptxas for sm_90a, also
-with the divisions approximated."""
+(results/kernel_warp_specialized_h100.json), and sixteen do not compile: with them the
+kernel's base is 80 registers a thread (65536 / (24 warps x 32), to a multiple of 8, as if
+the one-warp load partition took a warpgroup), and ptxas needs 90 there for the multiply
+partition's wgmma (and for the calls into the IEEE div and sqrt slow paths); checked with
+ptxas for sm_90a, also with the divisions approximated."""
 
 
 def warp_specialized_kernel_wins(M: int, N: int, K: int) -> bool:
