@@ -289,8 +289,8 @@ def memory_section() -> list[str]:
     ]
 
 
-def kernel_section() -> list[str]:
-    data = _result("kernel")
+def kernel_section(name: str = "kernel") -> list[str]:
+    data = _result(name)
     if data is None:
         return []
     env, summary, rows = data["environment"], data["summary"], data["rows"]
@@ -298,8 +298,8 @@ def kernel_section() -> list[str]:
     variants = "fused_kernel_ms" in rows[0]
     lines = [
         f"**One layer's dW + AdamW, bf16** ({env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
-        f"{env['date'][:10]}; `{env['command']}`; raw data: `benchmarks/results/kernel.json` and `.csv`, plot "
-        f"`benchmarks/results/kernel.png`). Baseline: cuBLAS `dY.t() @ X`, then `torch._fused_adamw_`. Floor: "
+        f"{env['date'][:10]}; `{env['command']}`; raw data: `benchmarks/results/{name}.json` and `.csv`, plot "
+        f"`benchmarks/results/{name}.png`). Baseline: cuBLAS `dY.t() @ X`, then `torch._fused_adamw_`. Floor: "
         f"max(FLOPs at the measured {ceilings['bf16_matmul_tflops']:.0f} TFLOP/s, the fewest bytes at the measured "
         f"{ceilings['copy_gb_per_s'] / 1e3:.2f} TB/s). Medians of CUDA-event timings.",
         "",
@@ -313,7 +313,7 @@ def kernel_section() -> list[str]:
                      f"{extra}{r['floor_ms']:.3f} | {r['speedup']:.2f}x | {r['forge_over_floor']:.2f} |")  # fmt: skip
     lines += ["", f"Slowest against the baseline: {summary['kernel_min_speedup_all_T']:.2f}x; farthest from the "
               f"floor: {summary['kernel_worst_over_floor']:.1f}x (times in ms).", "",
-              "![kernel speedup](benchmarks/results/kernel.png)"]  # fmt: skip
+              f"![kernel speedup](benchmarks/results/{name}.png)"]  # fmt: skip
     return lines
 
 
@@ -445,8 +445,8 @@ STEP_MODES = {
 }
 
 
-def step_section() -> list[str]:
-    data = _result("step")
+def step_section(name: str = "step") -> list[str]:
+    data = _result(name)
     if data is None:
         return []
     cases = [c for c in data["cases"] if c.get("status") == "ok"]
@@ -455,8 +455,9 @@ def step_section() -> list[str]:
     env = cases[0]["environment"]
     lines = [
         f"**Whole training steps** ({env['gpu']}, torch {env['torch']}, triton {env['triton']}; each mode in its own "
-        "process; `python benchmarks/step.py`, raw data `benchmarks/results/step.json`, plot "
-        "`benchmarks/results/step.png`). Random weights from transformers configs, bf16 weights and AdamW states, "
+        f"process; `python benchmarks/step.py`, raw data `benchmarks/results/{name}.json`"
+        + (" (step.py's results file, renamed for the card)" if name != "step" else "")
+        + (", plot `benchmarks/results/step.png`" if name == "step" else "") + "). Random weights from transformers configs, bf16 weights and AdamW states, "
         "median of 10 steps after 3 warm-up steps (CUDA events); peak is max_memory_allocated over the timed steps.",
         "",
         "| model | micro-batch x seq | mode | step | vs eager fused AdamW | peak | peak incl. compile | first step "
@@ -474,22 +475,23 @@ def step_section() -> list[str]:
     failed = [c for c in data["cases"] if c.get("status") != "ok"]
     for c in failed:
         lines.append(f"| {c['model']} | {c['batch']} x {c['seq']} | {STEP_MODES[c['mode']]} | {c['status']} | | | | | |")
-    lines += ["", "The losses differ by design: forge rounds bf16 weights stochastically (the default for bf16 "
-              "weights, see Low precision), so updates far below a bf16 step still move the weights, while torch's "
-              "bf16 AdamW rounds them to nearest and drops them. With round-to-nearest forge follows torch "
-              "(tests/e2e/test_low_precision.py checks this on a small Llama in the same setting); each step's "
-              "loss is in the result file.", "",
-              "![step time and memory](benchmarks/results/step.png)"]  # fmt: skip
+    if name == "step":
+        lines += ["", "The losses differ by design: forge rounds bf16 weights stochastically (the default for bf16 "
+                  "weights, see Low precision), so updates far below a bf16 step still move the weights, while torch's "
+                  "bf16 AdamW rounds them to nearest and drops them. With round-to-nearest forge follows torch "
+                  "(tests/e2e/test_low_precision.py checks this on a small Llama in the same setting); each step's "
+                  "loss is in the result file."]  # fmt: skip
+        lines += ["", "![step time and memory](benchmarks/results/step.png)"]
     return lines
 
 
 def render() -> str:
     sections = [hf_llama_section(), memory_section(), every_rule_section(), mixed_models_section(), convergence_section(),
-                quantization_section(), step_section(), cudagraphs_section(), compile_time_section(),
+                quantization_section(), step_section(), step_section("step_h100"), cudagraphs_section(), compile_time_section(),
                 warp_specialized_section(), kernel_configs_section(),
                 kernel_anatomy_section(),
-                kernel_section()]  # fmt: skip
-    body = [line for section in sections for line in section + [""]]
+                kernel_section(), kernel_section("kernel_h100")]  # fmt: skip
+    body = [line for section in sections if section for line in section + [""]]
     return "\n".join([BEGIN, "", *body, END])
 
 
