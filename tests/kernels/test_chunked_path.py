@@ -123,3 +123,19 @@ def test_path_choice_is_measured_once_and_remembered(tmp_path, monkeypatch):
     monkeypatch.setattr(linear_update, "_CHOSEN", {})
     assert linear_update._chosen_path(("test-key",), weight, candidates, [weight]) == first
     assert calls == []
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the choice is measured on CUDA")
+@pytest.mark.parametrize("slower", ["fused", "chunked"])
+def test_path_choice_takes_the_faster_path(slower, tmp_path, monkeypatch):
+    """Of two paths with the same host work, the one that keeps the GPU busy ~20 us a run
+    loses to the one that keeps it busy under 1 us."""
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(config, "autotune", True)
+    monkeypatch.setattr(linear_update, "_PATHS", {})
+    monkeypatch.setattr(linear_update, "_CHOSEN", {})
+    weight = torch.randn(256, 256, device=DEVICE)
+    busy = lambda cycles: lambda: torch.cuda._sleep(cycles)  # noqa: E731
+    candidates = {name: busy(40_000 if name == slower else 1_000) for name in ("fused", "chunked")}
+    chosen = linear_update._chosen_path((f"test-{slower}",), weight, candidates, [weight])
+    assert chosen != slower

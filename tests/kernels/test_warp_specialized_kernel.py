@@ -163,8 +163,14 @@ def test_auto_takes_the_warp_specialized_kernel_where_it_measured_faster(tokens,
     weight, _ = _run_adamw(w, m, v, grad_output_t, x)
     ref_w, _, _ = _adamw_reference(w, m, v, grad_output_t.double() @ x.double(), 3.0, *HYPER)
     if dtype == torch.float32:
-        beyond = ((weight.double() - ref_w).abs() > 2e-6).float().mean().item()
-        assert beyond < 1e-5, f"{beyond:.2e} of the weights miss float64 by more than 2e-6"
+        # The fp32 sum of T bf16 products misses the exact dW by an error that grows with T,
+        # and AdamW passes it on where m / sqrt(v) depends on g. cuBLAS's own fp32 sum of the
+        # same products sizes that share: each weight may miss float64 by 2e-6 plus four times
+        # what the update from cuBLAS's gradient misses by.
+        cublas_w, _, _ = _adamw_reference(w, m, v, linear_update._fp32_matmul(grad_output_t, x), 3.0, *HYPER)
+        allowed = 2e-6 + 4 * (cublas_w - ref_w).abs()
+        beyond = ((weight.double() - ref_w).abs() > allowed).float().mean().item()
+        assert beyond < 1e-5, f"{beyond:.2e} of the weights miss float64 by more than fp32 sums explain"
     else:  # rounded to nearest bf16: within half a bf16 ulp of the exact result, but for ties and fp32 sums
         assert ((weight.double() - ref_w).abs() <= ref_w.abs() * 2.0**-8 + 1e-30).float().mean().item() > 0.999
     if tokens < 512:
