@@ -269,6 +269,24 @@ def warp_specialized_section() -> list[str]:
             f"{never['ms_by_kind'][fused]:.2f} ms with the portable one, the step {always['step_ms']:.2f} against "
             f"{never['step_ms']:.2f} ms.",
         ]
+    counters = _result("kernel_counters_warp_specialized_h100")
+    if counters:
+        lines += ["", f"What limits it, by Nsight Compute ({counters['environment']['gpu']}, one cold launch each, "
+                  f"`{counters['environment']['command']}`; raw data "
+                  "`benchmarks/results/kernel_counters_warp_specialized_h100.json`; stalls: warps waiting for each reason, "
+                  "on average per cycle that issued an instruction):", ""]
+        for r in counters["rows"]:
+            if not r["config"].startswith("ws_"):
+                continue
+            m, stalls = r["summary"], r["summary"]["top_stalls"]
+            number = lambda key: float(m[key].replace(",", ""))  # noqa: E731
+            lines.append(
+                f"- `{r['config'].removeprefix('ws_128x128_')}`, {r['M']}x{r['N']}, T = {r['T']}: "
+                f"{number('gpu__time_duration.sum') / 1e6:.3f} ms; DRAM "
+                f"{number('gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed'):.0f}% and L2 "
+                f"{number('lts__throughput.avg.pct_of_peak_sustained_elapsed'):.0f}% of peak, tensor pipe active "
+                f"{number('sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active'):.0f}%; stalls "
+                + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in stalls.items() if k != "selected") + ".")
     return lines
 
 
