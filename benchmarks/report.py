@@ -571,6 +571,24 @@ def h200_summary() -> dict:
                 summary[f"convergence_{name}_mean_abs_gap_smoothed"] = conv[name]["mean_abs_gap_smoothed"]
         summary["sources"].append({"file": "benchmarks/results/convergence.json"})
     summary["not_measured"] = [key for key in wanted if key not in summary]
+    # Later runs on the device's other card (an H100), where no H200 was lent: the same
+    # figures of the same benchmarks, not comparable with the H200's.
+    h100: dict = {}
+    kernel_h100 = _result("kernel_h100")
+    if kernel_h100:
+        h100["kernel_source"] = {"file": "benchmarks/results/kernel_h100.json", **kernel_h100["environment"]}
+        h100.update({key: kernel_h100["summary"][key] for key in wanted[:4] if key in kernel_h100["summary"]})
+    step_h100 = _result("step_h100")
+    if step_h100:
+        latest = {}
+        for c in step_h100["cases"]:  # in the order run: the latest measurement of each mode
+            if c.get("status") == "ok" and (c["model"], c["batch"], c["seq"]) == ("llama-8b", 1, 1024):
+                latest[c["mode"]] = c
+        h100["llama8b_bs1_seq1024_step_ms"] = {mode: c["step_ms_median"] for mode, c in latest.items()}
+        h100["llama8b_bs1_seq1024_peak_gib"] = {mode: c["peak_bytes"] / 2**30 for mode, c in latest.items()}
+        h100["llama8b_bs1_seq1024_measured"] = {mode: c["environment"]["date"] for mode, c in latest.items()}
+    if h100:
+        summary["h100"] = h100
     return summary
 
 
