@@ -17,7 +17,7 @@ first call (autotuning) is outside the timing. The ``gpu_*`` columns time the sa
 replayed from a CUDA graph: GPU time alone, without the host's launch time, which is what
 the small weights' do_bench times mostly are.
 
-    PYTHONPATH=. python benchmarks/kernel.py            # writes results/kernel.{json,csv,png}
+    PYTHONPATH=. python benchmarks/kernel.py            # writes results/kernel.{json,csv,png} (kernel_h100.* on an H100)
     PYTHONPATH=. python benchmarks/kernel.py --resume   # after a cut-off run: only the cases not yet measured
 """
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.utils import RESULTS, environment, write_result  # noqa: E402
+from benchmarks.utils import RESULTS, environment, for_this_card, write_result  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (1024, 1024)]
 TOKENS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -225,7 +225,8 @@ def main() -> int:
     parser.add_argument("--shapes", default=",".join(f"{m}x{n}" for m, n in SHAPES), help="MxN,...")
     parser.add_argument("--output", default=None, help="also write the results here (default $OUT)")
     parser.add_argument("--resume", action="store_true",
-                        help="keep the cases of results/kernel_partial.json and measure only the others")
+                        help="keep the cases of results/kernel_partial.json (kernel_h100_partial.json on an "
+                             "H100, and so on) and measure only the others")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernel.py times CUDA kernels: no CUDA device here", file=sys.stderr)
@@ -234,7 +235,8 @@ def main() -> int:
     error = check(device)
     ceilings = measure_ceilings(device)
     rows = []
-    partial = RESULTS / "kernel_partial.json"
+    name = for_this_card("kernel")  # kernel.json on the H200, kernel_h100.json on an H100
+    partial = RESULTS / f"{name}_partial.json"
     if args.resume and partial.exists():  # a run cut off at the device's time limit goes on where it stopped
         import json
 
@@ -250,7 +252,7 @@ def main() -> int:
              if (M, N, T, s) not in done]  # fmt: skip
     for M, N, T, s in tqdm(cases, desc="kernel", mininterval=10, file=sys.stdout):
         rows.append(case(M, N, T, s, ceilings, device))
-        write_result("kernel_partial", {"ceilings": ceilings, "rows": rows}, args.output)  # survives a cut-off run
+        write_result(f"{name}_partial", {"ceilings": ceilings, "rows": rows}, args.output)  # survives a cut-off run
     largest = max(((r["M"], r["N"]) for r in rows), key=lambda s: s[0] * s[1])
     summary = {
         "fp32_check_relative_l2_vs_float64": error,
@@ -266,18 +268,18 @@ def main() -> int:
     summary["kernel_worst_over_floor"] = max(r["forge_over_floor"] for r in rows)
     summary["kernel_gpu_min_speedup_all_T"] = min(r["gpu_speedup"] for r in rows)
     summary["kernel_gpu_worst_over_floor"] = max(r["gpu_forge_over_floor"] for r in rows)
-    write_result("kernel", {"summary": summary, "rows": rows}, args.output)
-    with open(RESULTS / "kernel.csv", "w", newline="") as f:
+    write_result(name, {"summary": summary, "rows": rows}, args.output)
+    with open(RESULTS / f"{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot(rows, RESULTS / "kernel.png")
+    plot(rows, RESULTS / f"{name}.png")
     out = args.output or os.environ.get("OUT")
     if out:
         import shutil
 
-        for name in ("kernel.csv", "kernel.png"):
-            shutil.copy(RESULTS / name, Path(out) / name)
+        for file in (f"{name}.csv", f"{name}.png"):
+            shutil.copy(RESULTS / file, Path(out) / file)
     print(f"{'M':>6} {'N':>6} {'T':>6} {'states':>6} {'baseline':>9} {'forge':>8} {'fused':>8} {'chunked':>8} "
           f"{'floor':>8} {'speedup':>8} {'/floor':>7} {'gpu x':>6} {'gpu/fl':>6}")
     for r in rows:

@@ -34,7 +34,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.utils import RESULTS, build_causal_lm, causal_lm_train_step, environment, run_in_subprocess  # noqa: E402
+from benchmarks.utils import (  # noqa: E402
+    RESULTS, build_causal_lm, causal_lm_train_step, environment, for_this_card, run_in_subprocess,
+)  # fmt: skip
 
 MODELS = {
     # name: (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
@@ -194,7 +196,7 @@ def main() -> int:
     parser.add_argument("--batches", default="1,2,4,8")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=None,
-                        help="a shallower model of the same width; results go to results/step_<N>layers.json")
+                        help="a shallower model of the same width; results go to results/step_<N>layers.json (step_<N>layers_h100.json on an H100)")
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "MODE", "BATCH", "SEQ"), help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=560, help="seconds per case")
     parser.add_argument("--device", default="cuda", help="cpu runs the tiny-llama smoke test")
@@ -205,7 +207,8 @@ def main() -> int:
         name, mode, batch, seq = args.worker
         print(json.dumps(worker(name, mode, int(batch), int(seq), args.device, args.layers)))
         return 0
-    result_name = f"step_{args.layers}layers" if args.layers else "step"
+    # step.json on the H200, step_h100.json on an H100: one card's cases never join another's
+    result_name = for_this_card(f"step_{args.layers}layers" if args.layers else "step")
     path = RESULTS / f"{result_name}.json"
     previous = json.loads(path.read_text()) if path.exists() else {"cases": []}
     if args.plot:

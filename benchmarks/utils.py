@@ -44,6 +44,21 @@ def forge_source_hash() -> str:
     return digest.hexdigest()[:12]
 
 
+def for_this_card(name: str) -> str:
+    """The results name of a benchmark whose figures depend on the GPU: ``name`` itself on
+    the H200 (the card the headline figures and results/h200_summary.json are of) or
+    without a GPU, ``name_h100`` and so on elsewhere, so that one card's cases never join
+    another's in a file."""
+    if not torch.cuda.is_available():
+        return name
+    gpu = torch.cuda.get_device_name()
+    if "H200" in gpu:
+        return name
+    model = next((word for word in gpu.replace("NVIDIA", "").replace("-", " ").split() if any(c.isdigit() for c in word)),
+                 gpu)
+    return f"{name}_{''.join(c for c in model.lower() if c.isalnum())}"
+
+
 def write_result(name: str, payload: dict, out_dir: str | None = None) -> Path:
     """Write ``payload`` (with the environment) to results/NAME.json and, if set, to $OUT."""
     payload = {"environment": environment(), **payload}

@@ -104,3 +104,17 @@ def test_kernel_config_names_round_trip_with_a_register_cap():
     assert all(_config(name) for name in kernel_candidate_names())
     with pytest.raises(ValueError, match="MxNxK_wW_sS_eE"):
         _config("64x128x64_w8_s4_e2_x3")
+
+
+@pytest.mark.parametrize("gpu,expected", [("NVIDIA H200", "step"), ("NVIDIA H100 80GB HBM3", "step_h100"),
+                                          ("NVIDIA A100-SXM4-80GB", "step_a100"), (None, "step")])  # fmt: skip
+def test_results_of_each_card_go_to_their_own_file(gpu, expected, monkeypatch):
+    """step.json and kernel.json hold the H200's figures; another card's runs get their own
+    file, so that a run on an H100 cannot join cases the summary reads as the H200's."""
+    import torch
+
+    from benchmarks.utils import for_this_card
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: gpu)
+    assert for_this_card("step") == expected
