@@ -474,7 +474,7 @@ def step_section(name: str = "step") -> list[str]:
     lines = [
         f"**Whole training steps** ({env['gpu']}, torch {env['torch']}, triton {env['triton']}; each mode in its own "
         f"process; `python benchmarks/step.py`, raw data `benchmarks/results/{name}.json`"
-        + (" (step.py's results file, renamed for the card)" if name != "step" else "")
+        + (" (step.py's results file on that card)" if name != "step" else "")
         + (", plot `benchmarks/results/step.png`" if name == "step" else "") + "). Random weights from transformers configs, bf16 weights and AdamW states, "
         "median of 10 steps after 3 warm-up steps (CUDA events); peak is max_memory_allocated over the timed steps.",
         "",
