@@ -37,7 +37,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import dtensor, dump, explain, ops  # noqa: F401  (ops registers torch.ops.forge.*)
 from .config import config
-from .passes.fuse_linear_update import decompose_update, fuse_linear_updates
+from .passes.fuse_linear_update import decompose_update, fuse_linear_updates, keep_fused_updates_after_reads
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,26 @@ class _DecomposeOnlyPass(CustomGraphPass):
         return f"forge-decompose-{_source_hash()}"
 
 
+class KeepFusedUpdatesAfterReadsPass(CustomGraphPass):
+    """Inductor post-grad pass, after Inductor's own patterns: each fused op runs after every
+    read of the old weight and states (see keep_fused_updates_after_reads). A post pass the
+    user configured runs first."""
+
+    def __init__(self, previous=None):
+        self.previous = previous
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.previous is not None:
+            self.previous(graph)
+        moved = keep_fused_updates_after_reads(graph)
+        if moved:
+            log.debug("forge: %d fused updates moved after a later reader of their weight", moved)
+
+    def uuid(self) -> str:
+        previous = getattr(self.previous, "uuid", lambda: repr(self.previous))() if self.previous else ""
+        return f"forge-after-reads-{_source_hash()}-{previous}"
+
+
 def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options: dict | None = None,
                   **kwargs):  # fmt: skip
     """The ``torch.compile`` backend registered as ``"forge"``.
@@ -153,7 +173,9 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None 
     def run(custom_pass, **patches):
         _compilations.append(compilation)
         try:
-            with torch._inductor.config.patch(post_grad_custom_pre_pass=custom_pass, **patches), _dumping(record):
+            after_reads = KeepFusedUpdatesAfterReadsPass(torch._inductor.config.post_grad_custom_post_pass)
+            with torch._inductor.config.patch(post_grad_custom_pre_pass=custom_pass, post_grad_custom_post_pass=after_reads,
+                                              **patches), _dumping(record):  # fmt: skip
                 return compile_fx(gm, example_inputs, **kwargs)
         finally:
             _compilations.pop()
