@@ -154,9 +154,8 @@ def warp_specialized_launch() -> int:
     plan = linear_update._launch_plan("adam", (1, 0, 0, 1), False, True, False, False, False, "ieee")
 
     def call():
-        tile = linear_update.HOPPER_TILE
-        descriptors = hopper.operand_descriptors(grad_output_t, input, *tile[:3])
-        linear_update._launch_warp_specialized(tile, descriptors, weight, *moments, weight, scalars, 4096, 4096, 1024,
+        descriptors = hopper.operand_descriptors(grad_output_t, input, *linear_update.HOPPER_TILE[:3])
+        linear_update._launch_warp_specialized(descriptors, weight, *moments, weight, scalars, 4096, 4096, 1024,
                                                None, None, 7, 0, plan, False)  # fmt: skip
 
     print(f"warp-specialised launch path: {_microseconds(call):.1f} us per call (triton {triton.__version__}, "

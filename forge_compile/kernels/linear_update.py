@@ -482,10 +482,9 @@ def _launch(rule, weight, a, b, *, states, step, hyperparameters, options, grad_
     s0, s1, s2 = slots
     q0, q1, q2 = scale_slots
     if not gradient_given and not quantized_states and _warp_specialized_kernel_chosen(weight, M, N, K):
-        tile = HOPPER_TILE
-        descriptors = hopper.operand_descriptors(a, b, *tile[:3])
+        descriptors = hopper.operand_descriptors(a, b, *HOPPER_TILE[:3])
         if descriptors is not None:
-            _launch_warp_specialized(tile, descriptors, weight, s0, s1, s2, scalars, M, N, K, grad_min, grad_max,
+            _launch_warp_specialized(descriptors, weight, s0, s1, s2, scalars, M, N, K, grad_min, grad_max,
                                      rounding_seed, first_row, plan, index_64)  # fmt: skip
             return
     args = (
@@ -551,9 +550,9 @@ def _warp_specialized_kernel_chosen(weight: torch.Tensor, M: int, N: int, K: int
     return setting == "always" or warp_specialized_kernel_wins(M, N, K)
 
 
-def _launch_warp_specialized(tile, descriptors, weight, s0, s1, s2, scalars, M, N, K, grad_min, grad_max,
-                             rounding_seed, first_row, plan, index_64) -> None:  # fmt: skip
-    block_m, block_n, block_k, stages, epilogue_rows, _, _, async_slices = tile
+def _launch_warp_specialized(descriptors, weight, s0, s1, s2, scalars, M, N, K, grad_min, grad_max, rounding_seed,
+                             first_row, plan, index_64) -> None:  # fmt: skip
+    block_m, block_n, block_k, stages, epilogue_rows, _, _, async_slices = HOPPER_TILE
     if async_slices:
         c = plan.constexprs
         active = [weight] + [t for t, has in ((s0, c["HAS_S0"]), (s1, c["HAS_S1"]), (s2, c["HAS_S2"])) if has]
@@ -568,10 +567,10 @@ def _launch_warp_specialized(tile, descriptors, weight, s0, s1, s2, scalars, M, 
         *weight.stride(), *s0.stride(), *s1.stride(), *s2.stride(),
     )  # fmt: skip
     # The plan is one cached object per combination of switches: its identity stands for them.
-    variant = (id(plan), index_64, tile, async_slices)
+    variant = (id(plan), index_64, HOPPER_TILE, async_slices)
     settings = _WARP_SPECIALIZED_SETTINGS.get(variant)
     if settings is None:
-        settings = _WARP_SPECIALIZED_SETTINGS[variant] = _warp_specialized_settings(tile, plan, index_64, async_slices)
+        settings = _WARP_SPECIALIZED_SETTINGS[variant] = _warp_specialized_settings(plan, index_64, async_slices)
     constexprs, kernel_config = settings
     grid_size = min(triton.cdiv(M, block_m) * triton.cdiv(N, block_n), hopper.multiprocessors(weight.device.index))
     if weight.device.index != torch.cuda.current_device():
@@ -586,8 +585,8 @@ _WARP_SPECIALIZED_SETTINGS: dict[tuple, tuple[dict, dict]] = {}
 linear_update_hopper._operand_layouts for what the two caches saved)."""
 
 
-def _warp_specialized_settings(tile, plan, index_64: bool, async_slices: int) -> tuple[dict, dict]:
-    block_m, block_n, block_k, stages, epilogue_rows, epilogue_warps, epilogue_registers, _ = tile
+def _warp_specialized_settings(plan, index_64: bool, async_slices: int) -> tuple[dict, dict]:
+    block_m, block_n, block_k, stages, epilogue_rows, epilogue_warps, epilogue_registers, _ = HOPPER_TILE
     c = plan.constexprs
     constexprs = dict(
         ROUND_STOCHASTIC=c["ROUND_STOCHASTIC"], COEFFICIENTS=c["COEFFICIENTS"], ELEMENTWISE=c["ELEMENTWISE"],

@@ -492,8 +492,8 @@ def keep_fused_updates_after_reads(graph: fx.Graph) -> int:
     ``post_grad_custom_post_pass``; reads stop at a later write of the same tensor. Returns
     how many fused ops moved."""
     moved = 0
+    order = {n: float(i) for i, n in enumerate(graph.nodes)}
     for fused in [n for n in graph.nodes if n.target is _FUSED]:
-        order = {n: i for i, n in enumerate(graph.nodes)}
         later = set()
         for base in [fused.args[0], *fused.args[3]]:
             aliases = _aliases(base)
@@ -503,18 +503,14 @@ def keep_fused_updates_after_reads(graph: fx.Graph) -> int:
                              and order[user] > order[fused])  # fmt: skip
         last = None
         for user in sorted(later, key=order.__getitem__):
-            if _writes_an_argument(user):
+            if user.is_impure():  # a write of the same tensor: the reads after it are of the fused op's result
                 break
             last = user
         if last is not None:
             last.append(fused)
+            order[fused] = order[last] + 0.5  # between it and its successor, as _hoist_ordered keeps order
             moved += 1
     return moved
-
-
-def _writes_an_argument(node: Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _view_base(node: Node) -> Node:
