@@ -38,6 +38,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from . import dtensor, dump, explain, ops  # noqa: F401  (ops registers torch.ops.forge.*)
 from .config import config
 from .passes.fuse_linear_update import decompose_update, fuse_linear_updates, keep_fused_updates_after_reads
+from .passes.recompute_activations import recompute_activations
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +119,15 @@ class _DecomposeOnlyPass(CustomGraphPass):
         return f"forge-decompose-{_source_hash()}"
 
 
-class KeepFusedUpdatesAfterReadsPass(CustomGraphPass):
+class ForgePostPass(CustomGraphPass):
     """Inductor post-grad pass, after Inductor's own patterns: each fused op runs after every
-    read of the old weight and states (see keep_fused_updates_after_reads). A post pass the
-    user configured runs first."""
+    read of the old weight and states (see keep_fused_updates_after_reads); then, in a step
+    with a backward, the pointwise values the backward reads are recomputed there
+    (recompute_activations). A post pass the user configured runs first."""
 
-    def __init__(self, previous=None):
+    def __init__(self, previous=None, recompute: bool = False):
         self.previous = previous
+        self.recompute = recompute
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.previous is not None:
@@ -132,10 +135,14 @@ class KeepFusedUpdatesAfterReadsPass(CustomGraphPass):
         moved = keep_fused_updates_after_reads(graph)
         if moved:
             log.debug("forge: %d fused updates moved after a later reader of their weight", moved)
+        if self.recompute:
+            recomputed = recompute_activations(graph)
+            if recomputed:
+                log.debug("forge: %d forward values recomputed in the backward", recomputed)
 
     def uuid(self) -> str:
         previous = getattr(self.previous, "uuid", lambda: repr(self.previous))() if self.previous else ""
-        return f"forge-after-reads-{_source_hash()}-{previous}"
+        return f"forge-post-{_source_hash()}-recompute{int(self.recompute)}-{previous}"
 
 
 def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options: dict | None = None,
@@ -173,8 +180,9 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None 
     def run(custom_pass, **patches):
         _compilations.append(compilation)
         try:
-            after_reads = KeepFusedUpdatesAfterReadsPass(torch._inductor.config.post_grad_custom_post_pass)
-            with torch._inductor.config.patch(post_grad_custom_pre_pass=custom_pass, post_grad_custom_post_pass=after_reads,
+            post_pass = ForgePostPass(torch._inductor.config.post_grad_custom_post_pass,
+                                      recompute=record.has_backward and config.recompute_activations)
+            with torch._inductor.config.patch(post_grad_custom_pre_pass=custom_pass, post_grad_custom_post_pass=post_pass,
                                               **patches), _dumping(record):  # fmt: skip
                 return compile_fx(gm, example_inputs, **kwargs)
         finally:

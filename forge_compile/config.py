@@ -42,6 +42,13 @@ class ForgeConfig:
     portable Triton kernel: "auto" for the weights and token counts where it measured faster
     (see linear_update.warp_specialized_kernel_wins), "always", or "never"."""
 
+    recompute_activations: bool = True
+    """In a compiled step with a backward, recompute the pointwise values the backward reads
+    (norm outputs, activation products, casts) there instead of keeping them from the
+    forward, as AOTAutograd's partitioner does for ``backend="inductor"`` training graphs
+    (forge's one-graph step is never partitioned). Lowers the step's peak memory; see
+    passes/recompute_activations.py."""
+
     dump_dir: str | None = None
     """A folder for each compiled graph's post-grad graph before and after the rewrite,
     its decisions (JSON) and Inductor's output code (see forge_compile.dump). Graphs are
