@@ -29,6 +29,11 @@ import torch
 from torch import fx
 from torch.fx import Node
 
+try:  # reads a symbol's hint without adding a guard
+    from torch.fx.experimental.symbolic_shapes import optimization_hint  # torch 2.13
+except ImportError:
+    from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint  # torch 2.11
+
 from .fuse_linear_update import _aliases, _is_view
 
 log = logging.getLogger(__name__)
@@ -120,13 +125,12 @@ def _storage_root(node: Node, roots: dict[Node, Node]) -> Node:
 
 
 def _bytes(node: Node) -> int:
+    """A tensor's size; with symbolic sizes, the size of the example the graph was traced
+    with (reading a symbol's hint adds no guard, so no recompile)."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0  # tuples are counted at their getitems; symbols and None take no memory
-    try:
-        return int(val.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError):  # a symbolic size: count what the hint says
-        return int(val.numel() * val.element_size()) if not isinstance(val.numel(), torch.SymInt) else 0
+    return optimization_hint(val.numel(), fallback=0) * val.element_size()
 
 
 def _recomputable(node: Node) -> bool:
