@@ -203,6 +203,28 @@ def compile_time_section() -> list[str]:
     return lines
 
 
+def recompute_section() -> list[str]:
+    lines = []
+    for device in ("cpu", "cuda"):
+        data = _result(f"recompute_memory_{device}")
+        if data is None:
+            continue
+        env, runs, summary = data["environment"], data["runs"], data["summary"]
+        keep, recompute = runs["keep"], runs["recompute"]
+        line = (f"**Recomputing activations in the backward** ({data['model']}, {env['gpu'] or 'CPU'}, "
+                f"torch {env['torch']}, {env['date'][:10]}; `{env['command']}`; raw data: "
+                f"`benchmarks/results/recompute_memory_{device}.json`): Inductor's estimate of the compiled step's "
+                f"peak (its own buffers, weights and states not counted) {_mib(keep['inductor_estimated_peak_bytes'])} "
+                f"keeping every value the backward reads, {_mib(recompute['inductor_estimated_peak_bytes'])} with "
+                f"`recompute_activations` ({recompute['values_recomputed']} values rebuilt), "
+                f"{summary['estimated_peak_ratio']:.2f}x.")  # fmt: skip
+        if "measured_peak_ratio" in summary:
+            line += (f" Measured peak: {_mib(keep['peak_bytes'])} and {_mib(recompute['peak_bytes'])}, "
+                     f"{summary['measured_peak_ratio']:.2f}x.")  # fmt: skip
+        lines += [line, ""]
+    return lines
+
+
 def cudagraphs_section() -> list[str]:
     data = _result("step_4layers")
     if data is None:
@@ -504,7 +526,7 @@ def step_section(name: str = "step") -> list[str]:
 
 
 def render() -> str:
-    sections = [hf_llama_section(), memory_section(), every_rule_section(), mixed_models_section(), convergence_section(),
+    sections = [hf_llama_section(), memory_section(), recompute_section(), every_rule_section(), mixed_models_section(), convergence_section(),
                 quantization_section(), step_section(), step_section("step_h100"), cudagraphs_section(), compile_time_section(),
                 warp_specialized_section(), kernel_configs_section(),
                 kernel_anatomy_section(),
