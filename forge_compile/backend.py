@@ -56,6 +56,8 @@ class _Compilation:
     key: str
     fuse: bool
     failed: BaseException | None = None
+    recompute: bool = False
+    recompute_failed: BaseException | None = None
 
 
 _compilations: list[_Compilation] = []
@@ -136,7 +138,14 @@ class ForgePostPass(CustomGraphPass):
         if moved:
             log.debug("forge: %d fused updates moved after a later reader of their weight", moved)
         if self.recompute:
-            recomputed = recompute_activations(graph)
+            try:
+                recomputed = recompute_activations(graph)
+            except Exception as error:  # noqa: BLE001 - the graph is compiled again without this pass
+                compilation = _compilations[-1] if _compilations else None
+                if compilation is None:
+                    raise
+                compilation.recompute_failed = error
+                raise
             if recomputed:
                 log.debug("forge: %d forward values recomputed in the backward", recomputed)
 
@@ -175,13 +184,13 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None 
     )
     has_updates = any(n.target in _UPDATE_TARGETS for n in gm.graph.nodes)
     names, record.input_ids = _input_names(gm)
-    compilation = _Compilation(record, names, _decision_key(gm, example_inputs), config.fuse)
+    compilation = _Compilation(record, names, _decision_key(gm, example_inputs), config.fuse,
+                               recompute=record.has_backward and config.recompute_activations)
 
     def run(custom_pass, **patches):
         _compilations.append(compilation)
         try:
-            post_pass = ForgePostPass(torch._inductor.config.post_grad_custom_post_pass,
-                                      recompute=record.has_backward and config.recompute_activations)
+            post_pass = ForgePostPass(torch._inductor.config.post_grad_custom_post_pass, recompute=compilation.recompute)
             with torch._inductor.config.patch(post_grad_custom_pre_pass=custom_pass, post_grad_custom_post_pass=post_pass,
                                               **patches), _dumping(record):  # fmt: skip
                 return compile_fx(gm, example_inputs, **kwargs)
@@ -189,7 +198,20 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None 
             _compilations.pop()
 
     try:
-        compiled = run(FuseLinearUpdatePass(fuse=config.fuse))
+        try:
+            compiled = run(FuseLinearUpdatePass(fuse=config.fuse))
+        except Exception as error:
+            if compilation.recompute_failed is None:
+                raise
+            warnings.warn(
+                f"forge: recomputing activations failed on graph {record.graph} ({type(error).__name__}: "
+                f"{compilation.recompute_failed}); compiled it keeping them, as with "
+                "forge_compile.config.recompute_activations = False. Please report this with the traceback above.",
+                stacklevel=2,
+            )
+            log.warning("forge: recompute_activations failed on graph %d", record.graph, exc_info=error)
+            compilation.recompute, record.decisions = False, []
+            compiled = run(FuseLinearUpdatePass(fuse=config.fuse), fx_graph_cache=False)
     except Exception as error:
         if compilation.failed is None:
             raise

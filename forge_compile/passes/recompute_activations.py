@@ -41,9 +41,16 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 _CASTS = {prims.convert_element_type.default, aten._to_copy.default, aten.clone.default}
-# A rebuilt value may itself be rebuilt from rebuilt inputs, this many ops deep: SiLU in
-# bfloat16 is six (cast, neg, exp, add, div, cast) under the product that feeds down_proj.
+# Constants made from sizes alone (an attention mask's fill values, position indices).
+_FACTORIES = {aten.full.default, aten.scalar_tensor.default, aten.zeros.default, aten.ones.default,
+              aten.arange.default, aten.arange.start, aten.arange.start_step, prims.iota.default}
+# A value is rebuilt from values at most this many ops up: SiLU in bfloat16 is six (cast, neg,
+# exp, add, div, cast) under the product that feeds down_proj. The bound also bounds the
+# recursion of the analysis, whatever the graph.
 _MAX_DEPTH = 16
+# The analysis drops the storages that cannot be rebuilt, round by round; a graph that has not
+# settled after this many rounds keeps what could be rebuilt in the last one.
+_MAX_ROUNDS = 8
 
 
 def recompute_activations(graph: fx.Graph) -> int:
@@ -53,7 +60,7 @@ def recompute_activations(graph: fx.Graph) -> int:
     plan = _Liveness(graph)
     if plan.cut is None:
         return 0
-    chosen = _rebuildable_set(plan.saved_for_backward(), plan)
+    chosen = _rebuildable_set(plan)
     if not chosen:
         return 0
     _rebuild_backward_uses(graph, chosen, plan)
@@ -74,7 +81,7 @@ class _Liveness:
 
     def __init__(self, graph: fx.Graph):
         self.order = {node: i for i, node in enumerate(graph.nodes)}
-        self.root = {}
+        self.root: dict[Node, Node] = {}
         self.last: dict[Node, int] = {}
         self.returned: set[Node] = set()
         self.cut = None
@@ -96,16 +103,29 @@ class _Liveness:
             change[self.order[root]] += size
             change[last + 1] -= size
         self.peak_bytes = _maximum(change)
+        self._backward_uses: dict[Node, list[tuple[int, Node, Node]]] = {}
 
-    def saved_for_backward(self) -> list[Node]:
-        """Pointwise forward storages read after the backward starts."""
-        return [root for root, last in self.last.items()
-                if root.op == "call_function" and self.order[root] < self.cut < last
-                and root not in self.returned and _recomputable(root)]  # fmt: skip
+    def backward_uses(self, root: Node) -> list[tuple[int, Node, Node]]:
+        """``(position, user, alias)`` for each op after the cut that reads ``root`` through
+        ``alias`` (itself or a view of it) and is not itself a view of it: where the rebuilt
+        value is needed, in graph order."""
+        if root not in self._backward_uses:
+            self._backward_uses[root] = sorted(
+                ((self.order[user], user, alias) for alias in _aliases(root) for user in alias.users
+                 if self.order[user] > self.cut and self.root.get(user) is not root), key=lambda use: use[0])  # fmt: skip
+        return self._backward_uses[root]
 
     def first_backward_use(self, root: Node) -> int:
-        return min(self.order[user] for alias in _aliases(root) for user in alias.users
-                   if self.order[user] > self.cut)  # fmt: skip
+        return self.backward_uses(root)[0][0]
+
+    def saved_for_backward(self) -> list[Node]:
+        """Pointwise forward storages that ops after the cut read, in graph order."""
+        return [root for root, last in self.last.items()
+                if root.op == "call_function" and self.order[root] < self.cut < last
+                and root not in self.returned and _recomputable(root) and self.backward_uses(root)]  # fmt: skip
+
+    def alive_at(self, root: Node, position: int) -> bool:
+        return root in self.kept or self.order[root] < position <= self.last.get(root, -1)
 
 
 def _maximum(change: list[int]) -> int:
@@ -117,9 +137,17 @@ def _maximum(change: list[int]) -> int:
 
 
 def _storage_root(node: Node, roots: dict[Node, Node]) -> Node:
-    if node.op == "call_function" and node.target is not operator.getitem and node.args:
+    """The node whose storage ``node``'s output lives in: a view's base, an element of a
+    view-returning multi-output op (``split``, ``unbind``) its input's."""
+    if node.op == "call_function" and node.args and isinstance(node.args[0], Node):
         base = node.args[0]
-        if isinstance(base, Node) and _is_view(node, base):
+        if node.target is operator.getitem:
+            producer = base
+            if producer.op == "call_function" and producer.args and isinstance(producer.args[0], Node) \
+                    and _is_view(producer, producer.args[0]):  # fmt: skip
+                return roots.get(producer, producer)
+            return node
+        if _is_view(node, base):
             return roots.get(base, base)
     return node
 
@@ -135,71 +163,91 @@ def _bytes(node: Node) -> int:
 
 def _recomputable(node: Node) -> bool:
     """A pure op whose output is a function of its inputs alone, cheap to compute again:
-    pointwise, a cast or a view. Matmuls, reductions and attention stay saved, as the
-    partitioner keeps them."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    pointwise, a cast, a view (an element of ``split`` too) or a constant made from sizes. Matmuls, reductions and
+    attention stay saved, as the partitioner keeps them."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        producer = node.args[0]
+        return isinstance(producer, Node) and producer.op == "call_function" and bool(producer.args) \
+            and isinstance(producer.args[0], Node) and _is_view(producer, producer.args[0]) \
+            and _recomputable(producer)  # fmt: skip
+    if not isinstance(node.target, torch._ops.OpOverload):
         return False
     if node.is_impure() or torch.Tag.nondeterministic_seeded in node.target.tags:
         return False
+    is_view = bool(node.args) and isinstance(node.args[0], Node) and _is_view(node, node.args[0])
+    if is_view:
+        return True
     if not isinstance(node.meta.get("val"), torch.Tensor):
         return False
-    if node.target in _CASTS or torch.Tag.pointwise in node.target.tags:
-        return True
-    return bool(node.args) and isinstance(node.args[0], Node) and _is_view(node, node.args[0])
+    return node.target in _CASTS or node.target in _FACTORIES or torch.Tag.pointwise in node.target.tags
 
 
-def _rebuildable_set(saved: list[Node], plan: _Liveness) -> set[Node]:
-    """The saved storages that can all be rebuilt in the backward at once: a value one of
-    them needs is either alive there anyway, a graph input not written in between, itself
-    rebuilt, or kept for the backward in its place when it is at most half the size (a
-    bfloat16 residual kept instead of its float32 cast). A storage that cannot be rebuilt
-    stays alive, which may let others read it, so each round drops only the storages that
-    block a rebuild themselves. Fills ``plan.kept`` with the values kept in place."""
-    chosen = set(saved)
-    while True:
+def _rebuildable_set(plan: _Liveness) -> set[Node]:
+    """The saved storages to rebuild in the backward. Each is rebuilt right before each of its
+    backward uses from values that are alive there anyway, graph inputs not written in
+    between, values rebuilt there too, or values kept in its place: at most half its size
+    in all (a bfloat16 residual kept instead of its float32 cast). A storage that cannot be
+    rebuilt stays saved, which may let another read it; so each round drops only those that
+    block a rebuild themselves, and fills ``plan.kept``."""
+    chosen = set(plan.saved_for_backward())
+    rebuildable: set[Node] = set()
+    for _ in range(_MAX_ROUNDS):
         plan.kept = set()
-        while True:  # a value kept for one storage lets another read it: settle ``kept`` first
-            kept = len(plan.kept)
-            blockers = {_blocker(root, plan.first_backward_use(root), chosen, plan, 0, root) for root in chosen} - {None}
-            if len(plan.kept) == kept:
-                break
+        budget: dict[Node, int] = {}
+        blockers, rebuildable = set(), set()
+        for root in sorted(chosen, key=plan.order.__getitem__):
+            blocker = _blocker(root, plan.first_backward_use(root), chosen, plan, 0, root, {}, budget)
+            if blocker is None:
+                rebuildable.add(root)
+            else:
+                blockers.add(blocker)
         if not blockers:
             return chosen
         chosen -= blockers
+    # Not settled: each storage found rebuildable in the last round still is once the others
+    # stay saved (a saved value is only more available), with the values kept for it.
+    return rebuildable
 
 
-def _blocker(node: Node, at: int, chosen: set[Node], plan: _Liveness, depth: int, owner: Node,
-             seen: dict | None = None) -> Node | None:  # fmt: skip
+def _blocker(node: Node, at: int, chosen: set[Node], plan: _Liveness, depth: int, owner: Node, seen: dict,
+             budget: dict[Node, int]) -> Node | None:  # fmt: skip
     """None if ``node`` can be had at position ``at`` for rebuilding ``owner``; else the
-    saved storage that must stay alive for that."""
-    seen = {} if seen is None else seen  # pointwise graphs are diamonds: visit each node once
+    saved storage that must stay saved for that."""
     key = (node, at, owner)
     if key not in seen:
-        seen[key] = _find_blocker(node, at, chosen, plan, depth, owner, seen)
+        seen[key] = _find_blocker(node, at, chosen, plan, depth, owner, seen, budget)
     return seen[key]
 
 
-def _find_blocker(node: Node, at: int, chosen: set[Node], plan: _Liveness, depth: int, owner: Node,
-                  seen: dict) -> Node | None:  # fmt: skip
+def _find_blocker(node: Node, at: int, chosen: set[Node], plan: _Liveness, depth: int, owner: Node, seen: dict,
+                  budget: dict[Node, int]) -> Node | None:  # fmt: skip
     root = plan.root[node]
     if root.op in ("placeholder", "get_attr"):
         return owner if _written_between(root, plan.order[node], at, plan) else None
-    if root not in chosen and (root in plan.kept or plan.last.get(root, -1) >= at):
+    if root not in chosen and plan.alive_at(root, at):
         return None  # alive there anyway: reading it costs nothing
-    if root in chosen and depth:
-        # Another saved storage: if it cannot be rebuilt at its own first backward use it is
-        # the one to keep; if only not this early, keeping ``owner`` is the fix.
-        own = _blocker(root, plan.first_backward_use(root), chosen, plan, 0, root, seen)
+    if depth >= _MAX_DEPTH:
+        return owner
+    if root in chosen and root is not owner:
+        # Another saved storage, rebuilt here for ``owner``: if it cannot be rebuilt at its own
+        # first backward use either, it is the one to keep saved.
+        own = _blocker(root, plan.first_backward_use(root), chosen, plan, depth + 1, root, seen, budget)
         if own is not None:
             return own
-    blocker = owner
-    if depth < _MAX_DEPTH and _recomputable(node):
-        blocker = next(filter(None, (_blocker(arg, at, chosen, plan, depth + 1, owner, seen)
-                                     for arg in node.all_input_nodes)), None)  # fmt: skip
-    if blocker is not None and root not in chosen and 2 * _bytes(root) <= _bytes(owner):
+    elif root is not owner and budget.get(owner, 0) + _bytes(root) <= _bytes(owner) // 2:
+        # Keeping a small input is cheaper than rebuilding it, and ends the chain here.
+        budget[owner] = budget.get(owner, 0) + _bytes(root)
         plan.kept.add(root)
         return None
-    return blocker
+    if not _recomputable(node):
+        return owner
+    for arg in node.all_input_nodes:
+        blocker = _blocker(arg, at, chosen, plan, depth + 1, owner, seen, budget)
+        if blocker is not None:
+            return blocker
+    return None
 
 
 def _written_between(placeholder: Node, start: int, end: int, plan: _Liveness) -> bool:
@@ -213,36 +261,38 @@ def _written_between(placeholder: Node, start: int, end: int, plan: _Liveness) -
 
 
 def _rebuild_backward_uses(graph: fx.Graph, chosen: set[Node], plan: _Liveness) -> None:
-    late = []
-    for root in chosen:
-        for alias in _aliases(root):
-            for user in alias.users:
-                if plan.order[user] > plan.cut and plan.root.get(user) is not root:
-                    late.append((plan.order[user], user, alias))
-    rebuilt: dict[Node, Node] = {}
-    position = dict(plan.order)
-    # In graph order, so that each value is rebuilt before its first backward use and reused
-    # by the later ones.
-    for _, user, alias in sorted(late, key=lambda item: item[0]):
-        user.replace_input_with(alias, _rebuild(graph, alias, user, chosen, plan, rebuilt, position))
+    uses = sorted((use for root in chosen for use in plan.backward_uses(root)), key=lambda use: use[0])
+    own: dict[Node, Node] = {}
+    # In graph order: a chosen storage is rebuilt once, before its first backward use, and
+    # that copy serves its later uses; what another value needs rebuilt earlier than that,
+    # and every value between, is rebuilt for that one use alone, so that none lives longer
+    # than the value it serves.
+    for position, user, alias in uses:
+        rebuilt = _rebuild(graph, alias, user, position, chosen, plan, own, {})
+        user.replace_input_with(alias, rebuilt)
 
 
-def _rebuild(graph: fx.Graph, node: Node, before: Node, chosen: set[Node], plan: _Liveness,
-             rebuilt: dict[Node, Node], position: dict[Node, float]) -> Node:  # fmt: skip
-    copy = rebuilt.get(node)
-    if copy is not None and position[copy] < position[before]:
-        return copy
+def _rebuild(graph: fx.Graph, node: Node, before: Node, position: int, chosen: set[Node], plan: _Liveness,
+             own: dict[Node, Node], here: dict[Node, Node]) -> Node:  # fmt: skip
     root = plan.root.get(node, node)
     if root.op in ("placeholder", "get_attr"):
         return node
-    if root not in chosen and (root in plan.kept or plan.last.get(root, -1) >= position[before]):
+    if root not in chosen and plan.alive_at(root, position):
         return node
+    reuse = own.get(node) if root in chosen else None
+    if reuse is None:
+        reuse = here.get(node)
+    if reuse is not None:
+        return reuse
+    if not _recomputable(node):  # the analysis admitted only recomputable ops here
+        raise RuntimeError(f"forge: recompute_activations was to rebuild {node.format_node()}, which it cannot")
     args, kwargs = fx.map_arg((node.args, node.kwargs),
-                              lambda arg: _rebuild(graph, arg, before, chosen, plan, rebuilt, position))  # fmt: skip
+                              lambda arg: _rebuild(graph, arg, before, position, chosen, plan, own, here))  # fmt: skip
     with graph.inserting_before(before):
         copy = graph.call_function(node.target, args, kwargs)
     copy.meta.update(node.meta)
-    rebuilt[node] = copy
-    position[copy] = position[before] - 0.5
-    plan.root[copy] = copy
+    if root in chosen and position >= plan.first_backward_use(root):
+        own[node] = copy
+    else:
+        here[node] = copy
     return copy

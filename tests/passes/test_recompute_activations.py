@@ -1,6 +1,9 @@
 """Recomputing pointwise forward values in the backward: what it rebuilds, what it must not,
 and a compiled step that keeps less and still trains as torch.optim does."""
 
+import operator
+import warnings
+
 import pytest
 import torch
 from helpers import max_param_error, twin
@@ -11,62 +14,164 @@ import forge_compile.backend as backend
 from forge_compile.passes.recompute_activations import recompute_activations, simulated_peak_bytes
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 
-def _forward_and_backward_graph(write_weight_in_backward: bool) -> tuple[fx.Graph, fx.Node]:
-    """``a = sin(x * w)`` in the forward, a matmul that keeps it past a 64x larger temporary,
-    and a backward that reads ``a`` at the end, optionally after an in-place write of ``w``."""
-    graph = fx.Graph()
+class _Graph:
+    """A hand-built post-grad graph on real tensors: each node's ``val`` is its value."""
 
-    def op(target, *args, backward=False):
-        node = graph.call_function(target, args)
-        node.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
+    def __init__(self):
+        self.graph = fx.Graph()
+
+    def input(self, name: str, value: torch.Tensor) -> fx.Node:
+        node = self.graph.placeholder(name)
+        node.meta["val"] = value
+        return node
+
+    def op(self, target, *args, backward: bool = False, **kwargs) -> fx.Node:
+        node = self.graph.call_function(target, args, kwargs)
+        value = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
+        node.meta["val"] = target(*map(value, args), **{k: value(v) for k, v in kwargs.items()})
         if backward:
             node.meta["autograd_backward"] = True
         return node
 
-    x, w = graph.placeholder("x"), graph.placeholder("w")
-    x.meta["val"], w.meta["val"] = torch.randn(64, 64), torch.randn(64, 64)
-    a = op(aten.sin.default, op(aten.mul.Tensor, x, w))
-    big = op(aten.mm.default, op(aten.repeat.default, a, [8, 1]), op(aten.repeat.default, a, [1, 8]))
-    loss = op(aten.sum.default, big)
-    grad = op(aten.mul.Tensor, op(aten.ones_like.default, loss, backward=True), 2.0, backward=True)
-    if write_weight_in_backward:
-        op(aten.copy_.default, w, op(aten.neg.default, w, backward=True), backward=True)
-    graph.output((loss, op(aten.mul.Tensor, a, grad, backward=True)))
-    return graph, a
+    def getitem(self, node: fx.Node, index: int) -> fx.Node:
+        item = self.graph.call_function(operator.getitem, (node, index))
+        item.meta["val"] = node.meta["val"][index]
+        return item
+
+    def keep_past_a_large_temporary(self, value: fx.Node) -> fx.Node:
+        """The forward's loss through a matmul 64x the size of ``value``, and the backward's seed."""
+        big = self.op(aten.mm.default, self.op(aten.repeat.default, value, [8, 1]),
+                      self.op(aten.repeat.default, value, [1, 8]))  # fmt: skip
+        self.loss = self.op(aten.sum.default, big)
+        return self.op(aten.mul.Tensor, self.op(aten.ones_like.default, self.loss, backward=True), 2.0, backward=True)
+
+    def run(self) -> list[torch.Tensor]:
+        module = fx.GraphModule(nn.Module(), self.graph)
+        return module(*[n.meta["val"].clone() for n in self.graph.nodes if n.op == "placeholder"])
 
 
-def _readers_of_sin(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if n.target is aten.sin.default]
+def _rewritten(build) -> tuple[_Graph, int, int, int]:
+    """The graph's outputs before and after the pass must be equal; returns the graph, how many
+    values were rebuilt, and the simulated peak before and after."""
+    g = build()
+    expected, before = g.run(), simulated_peak_bytes(g.graph)
+    rebuilt = recompute_activations(g.graph)
+    g.graph.lint()
+    for actual, wanted in zip(g.run(), expected):
+        torch.testing.assert_close(actual, wanted, rtol=0, atol=0)
+    return g, rebuilt, before, simulated_peak_bytes(g.graph)
+
+
+def _sine_of_weighted_input(write_weight: bool = False, backward_view: bool = False):
+    """``a = sin(x * w)`` kept past the large temporary and read at the backward's end: optionally
+    after an in-place write of ``w``, and through a view made in the backward before that write."""
+    g = _Graph()
+    x, w = g.input("x", torch.randn(64, 64)), g.input("w", torch.randn(64, 64))
+    a = g.op(aten.sin.default, g.op(aten.mul.Tensor, x, w))
+    grad = g.keep_past_a_large_temporary(a)
+    read = g.op(aten.permute.default, a, [1, 0], backward=True) if backward_view else a
+    if write_weight:
+        g.op(aten.copy_.default, w, g.op(aten.neg.default, w, backward=True), backward=True)
+    g.graph.output((g.loss, g.op(aten.mul.Tensor, read, grad, backward=True)))
+    return g
 
 
 def test_a_pointwise_forward_value_is_rebuilt_where_the_backward_reads_it():
-    graph, saved = _forward_and_backward_graph(write_weight_in_backward=False)
-    before = simulated_peak_bytes(graph)
-    assert recompute_activations(graph) == 1
-    sines = _readers_of_sin(graph)
-    assert len(sines) == 2 and all(s.users for s in sines)
-    rebuilt = sines[1]
-    backward_use = next(iter(rebuilt.users))
-    assert backward_use.meta.get("autograd_backward") and list(graph.nodes).index(rebuilt) > list(graph.nodes).index(
-        next(n for n in graph.nodes if n.target is aten.sum.default))
-    # the forward's copy no longer lives through the 64x larger matmul
-    assert simulated_peak_bytes(graph) == before - saved.meta["val"].nbytes
+    g, rebuilt, before, after = _rewritten(_sine_of_weighted_input)
+    assert rebuilt == 1
+    forward_sine, backward_sine = [n for n in g.graph.nodes if n.target is aten.sin.default]
+    order = list(g.graph.nodes)
+    reader = next(iter(backward_sine.users))
+    assert reader.meta.get("autograd_backward") and order.index(backward_sine) == order.index(reader) - 1
+    assert before - after == 64 * 64 * 4  # the forward's copy no longer lives through the temporary
 
 
-def test_a_value_read_from_an_input_written_before_the_backward_use_stays_saved():
-    graph, _ = _forward_and_backward_graph(write_weight_in_backward=True)
-    code = graph.python_code("self").src
-    assert recompute_activations(graph) == 0
-    assert graph.python_code("self").src == code
+@pytest.mark.parametrize("backward_view", [False, True], ids=["read", "read through a backward view"])
+def test_a_value_read_from_an_input_written_before_the_backward_use_stays_saved(backward_view):
+    _, rebuilt, before, after = _rewritten(lambda: _sine_of_weighted_input(write_weight=True,
+                                                                          backward_view=backward_view))  # fmt: skip
+    assert rebuilt == 0 and before == after
+
+
+def test_a_value_read_from_a_split_of_a_written_input_stays_saved():
+    def build():
+        g = _Graph()
+        x, w = g.input("x", torch.randn(64, 64)), g.input("w", torch.randn(2, 64))
+        row = g.getitem(g.op(aten.split.Tensor, w, 1), 0)
+        a = g.op(aten.sin.default, g.op(aten.mul.Tensor, x, row))
+        grad = g.keep_past_a_large_temporary(a)
+        g.op(aten.copy_.default, w, g.op(aten.neg.default, w, backward=True), backward=True)
+        g.graph.output((g.loss, g.op(aten.mul.Tensor, a, grad, backward=True)))
+        return g
+
+    assert _rewritten(build)[1] == 0
+
+
+def test_a_rebuilt_op_keeps_its_keyword_arguments():
+    def build():
+        g = _Graph()
+        x, y = g.input("x", torch.randn(64, 64)), g.input("y", torch.randn(64, 64))
+        a = g.op(aten.add.Tensor, g.op(aten.sin.default, x), y, alpha=3.0)
+        grad = g.keep_past_a_large_temporary(a)
+        g.graph.output((g.loss, g.op(aten.mul.Tensor, a, grad, backward=True)))
+        return g
+
+    g, rebuilt, _, _ = _rewritten(build)
+    assert rebuilt == 1 and all(n.kwargs == {"alpha": 3.0} for n in g.graph.nodes if n.target is aten.add.Tensor)
+
+
+def test_inputs_kept_in_a_values_place_are_at_most_half_its_size_in_all():
+    """``o`` is the product of four float32 casts of bfloat16 matmul outputs, each half the
+    size of ``o``: keeping all four instead of ``o`` would double what the backward keeps."""
+
+    def build():
+        g = _Graph()
+        x = g.input("x", torch.randn(64, 64, dtype=torch.bfloat16))
+        casts = [g.op(prims.convert_element_type.default,
+                      g.op(aten.mm.default, x, g.input(f"w{i}", torch.randn(64, 64, dtype=torch.bfloat16))),
+                      torch.float32) for i in range(4)]  # fmt: skip
+        product = casts[0]
+        for cast in casts[1:]:
+            product = g.op(aten.mul.Tensor, product, cast)
+        grad = g.keep_past_a_large_temporary(product)
+        g.graph.output((g.loss, g.op(aten.mul.Tensor, product, grad, backward=True)))
+        return g
+
+    _, rebuilt, before, after = _rewritten(build)
+    assert after <= before
+
+
+def test_a_chain_read_in_reverse_is_rebuilt_use_by_use_and_lowers_the_peak():
+    """A float32 residual chain whose bfloat16 casts the backward reads last to first: a rebuilt
+    residual must not stay alive from the first backward use to its own."""
+
+    def build():
+        g = _Graph()
+        x = g.input("x", torch.randn(2, 4096))
+        a, b = g.input("a", torch.randn(1, 8, dtype=torch.bfloat16)), g.input("b", torch.randn(8, 4096, dtype=torch.bfloat16))
+        residual, casts = x, []
+        for _ in range(8):
+            residual = g.op(aten.add.Tensor, residual, g.op(aten.mm.default, a, b))
+            casts.append(g.op(prims.convert_element_type.default, residual, torch.bfloat16))
+        g.loss = g.op(aten.sum.default, residual)
+        grad = g.op(aten.ones_like.default, casts[0], backward=True)
+        for cast in reversed(casts):
+            grad = g.op(aten.mul.Tensor, grad, cast, backward=True)
+        g.graph.output((g.loss, grad))
+        return g
+
+    _, rebuilt, before, after = _rewritten(build)
+    assert rebuilt == 8 and after < before
 
 
 def test_a_graph_without_a_backward_is_left_alone():
-    graph, _ = _forward_and_backward_graph(write_weight_in_backward=False)
-    for node in graph.nodes:
+    g = _sine_of_weighted_input()
+    for node in g.graph.nodes:
         node.meta.pop("autograd_backward", None)
-    assert recompute_activations(graph) == 0
+    assert recompute_activations(g.graph) == 0
 
 
 class _GatedBlocks(nn.Module):
@@ -129,3 +234,30 @@ def test_a_step_that_recomputes_trains_as_torch_optim_and_keeps_less(recompute, 
         assert peaks["after"] < 0.85 * peaks["before"]
     else:
         assert not peaks
+
+
+def test_a_failure_of_the_pass_compiles_the_step_keeping_activations(monkeypatch, no_inductor_cache):
+    def failing(graph):
+        raise RuntimeError("a failure inside recompute_activations")
+
+    monkeypatch.setattr(backend, "recompute_activations", failing)
+    torch.manual_seed(0)
+    model = _GatedBlocks(blocks=1)
+    reference = twin(model)
+    optimizer = forge_compile.optim.SGD(model.parameters(), lr=1.0)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=1.0)
+
+    def train_step(net, opt, x):
+        loss = net(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = torch.compile(lambda x: train_step(model, optimizer, x), backend="forge")
+    x = torch.randn(64, 32)
+    with pytest.warns(UserWarning, match="recomputing activations failed on graph .* a failure inside"):
+        report = forge_compile.explain(step, x)
+    train_step(reference, reference_optimizer, x)
+    assert len(report.fused) == 3
+    assert max_param_error(model, reference) < 1e-5
