@@ -60,9 +60,9 @@ def worker(recompute: bool, scale: int, seq: int, device_name: str) -> dict:
     simulated = {}
     original_pass = backend.recompute_activations
 
-    def measured_pass(graph):
+    def measured_pass(graph, *args):
         simulated["before"] = simulated_peak_bytes(graph)
-        rebuilt = simulated["rebuilt"] = original_pass(graph)
+        rebuilt = simulated["rebuilt"] = original_pass(graph, *args)
         simulated["after"] = simulated_peak_bytes(graph)
         return rebuilt
 

@@ -127,9 +127,10 @@ class ForgePostPass(CustomGraphPass):
     with a backward, the pointwise values the backward reads are recomputed there
     (recompute_activations). A post pass the user configured runs first."""
 
-    def __init__(self, previous=None, recompute: bool = False):
+    def __init__(self, previous=None, recompute: bool = False, backward_sources: frozenset[str] = frozenset()):
         self.previous = previous
         self.recompute = recompute
+        self.backward_sources = backward_sources
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.previous is not None:
@@ -139,7 +140,7 @@ class ForgePostPass(CustomGraphPass):
             log.debug("forge: %d fused updates moved after a later reader of their weight", moved)
         if self.recompute:
             try:
-                recomputed = recompute_activations(graph)
+                recomputed = recompute_activations(graph, self.backward_sources)
             except Exception as error:  # noqa: BLE001 - the graph is compiled again without this pass
                 compilation = _compilations[-1] if _compilations else None
                 if compilation is None:
@@ -183,6 +184,7 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None 
         has_backward=any(n.target is torch.autograd.grad for n in gm.graph.nodes),
     )
     has_updates = any(n.target in _UPDATE_TARGETS for n in gm.graph.nodes)
+    backward_sources = frozenset(n.name for n in gm.graph.nodes if n.target is torch.autograd.grad)
     names, record.input_ids = _input_names(gm)
     compilation = _Compilation(record, names, _decision_key(gm, example_inputs), config.fuse,
                                recompute=record.has_backward and config.recompute_activations)
@@ -190,7 +192,8 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None 
     def run(custom_pass, **patches):
         _compilations.append(compilation)
         try:
-            post_pass = ForgePostPass(torch._inductor.config.post_grad_custom_post_pass, recompute=compilation.recompute)
+            post_pass = ForgePostPass(torch._inductor.config.post_grad_custom_post_pass, recompute=compilation.recompute,
+                                      backward_sources=backward_sources)  # fmt: skip
             with torch._inductor.config.patch(post_grad_custom_pre_pass=custom_pass, post_grad_custom_post_pass=post_pass,
                                               **patches), _dumping(record):  # fmt: skip
                 return compile_fx(gm, example_inputs, **kwargs)

@@ -8,7 +8,8 @@ alive from the forward, so RMSNorm outputs, activation products and their float3
 count at the step's peak (a Llama-3.1-8B layer at 1 x 1024 tokens keeps about 200 MiB).
 
 This pass does the partitioner's job on the one graph. The backward starts at the first node
-Dynamo traced inside ``torch.autograd.grad`` (``meta["autograd_backward"]``). Each forward
+Dynamo traced inside ``torch.autograd.grad`` (``meta["autograd_backward"]`` in torch 2.13;
+in 2.11, the node whose provenance is that call). Each forward
 value the backward reads that a pointwise op, cast or view produced is rebuilt right before
 its first backward use, from values alive there anyway (or rebuilt the same way), so that
 the forward's copy dies at its last forward use; Inductor fuses the rebuilt ops into their
@@ -53,11 +54,12 @@ _MAX_DEPTH = 16
 _MAX_ROUNDS = 8
 
 
-def recompute_activations(graph: fx.Graph) -> int:
+def recompute_activations(graph: fx.Graph, backward_sources: frozenset[str] = frozenset()) -> int:
     """Rebuild the pointwise forward values the backward reads right before their backward
-    uses (see the module docstring). Returns how many tensors the forward no longer keeps
-    for the backward."""
-    plan = _Liveness(graph)
+    uses (see the module docstring). ``backward_sources``: names of the Dynamo graph's
+    ``torch.autograd.grad`` nodes, which find the backward where torch (2.11) does not mark
+    its nodes. Returns how many tensors the forward no longer keeps for the backward."""
+    plan = _Liveness(graph, backward_sources)
     if plan.cut is None:
         return 0
     chosen = _rebuildable_set(plan)
@@ -79,7 +81,7 @@ def simulated_peak_bytes(graph: fx.Graph) -> int:
 class _Liveness:
     """Each storage's last reader, the simulated peak, and where the backward starts."""
 
-    def __init__(self, graph: fx.Graph):
+    def __init__(self, graph: fx.Graph, backward_sources: frozenset[str] = frozenset()):
         self.order = {node: i for i, node in enumerate(graph.nodes)}
         self.root: dict[Node, Node] = {}
         self.last: dict[Node, int] = {}
@@ -89,7 +91,7 @@ class _Liveness:
         for node in graph.nodes:
             root = _storage_root(node, self.root)
             self.root[node] = root
-            if self.cut is None and node.meta.get("autograd_backward", False):
+            if self.cut is None and _in_backward(node, backward_sources):
                 self.cut = self.order[node]
             for user in node.users:
                 if user.op == "output":
@@ -126,6 +128,20 @@ class _Liveness:
 
     def alive_at(self, root: Node, position: int) -> bool:
         return root in self.kept or self.order[root] < position <= self.last.get(root, -1)
+
+
+def _in_backward(node: Node, backward_sources: frozenset[str]) -> bool:
+    """torch 2.13 marks the nodes traced inside ``torch.autograd.grad``; in torch 2.11 they are
+    known by their provenance, the Dynamo node of that call (``meta["from_node"]``)."""
+    if node.meta.get("autograd_backward", False):
+        return True
+    sources = list(node.meta.get("from_node") or ()) if backward_sources else []
+    while sources:
+        source = sources.pop()
+        if getattr(source, "name", None) in backward_sources:
+            return True
+        sources.extend(getattr(source, "from_node", None) or ())
+    return False
 
 
 def _maximum(change: list[int]) -> int:
