@@ -35,6 +35,32 @@ def mse_step(model, optimizer, detach=True):
     return train_step
 
 
+def sgd_at_lr_1_side_by_side(model: nn.Module, x: torch.Tensor, steps: int = 3):
+    """``model`` (whose forward returns its loss) trained ``steps`` times on ``x`` by forge's
+    SGD at lr 1 in a compiled step, and a twin by torch.optim's SGD in eager: at lr 1 each
+    weight moves by its whole gradient, so a wrong gradient or update shows far above
+    rounding. Returns the compiled step's explain report and the twin."""
+    import forge_compile
+
+    def train_step(net, opt, batch):
+        loss = net(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    reference = twin(model)
+    optimizer = forge_compile.optim.SGD(model.parameters(), lr=1.0)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=1.0)
+    step = torch.compile(lambda batch: train_step(model, optimizer, batch), backend="forge")
+    report = forge_compile.explain(step, x)
+    train_step(reference, reference_optimizer, x)
+    for _ in range(steps - 1):
+        step(x)
+        train_step(reference, reference_optimizer, x)
+    return report, reference
+
+
 def train_side_by_side(step, reference_step, batches):
     """Both on each batch, the losses equal each step (NaN where torch's is NaN); the first
     step through ``forge_compile.explain``, whose report is returned."""

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from helpers import MLP, assert_matches_torch_optim, max_param_error, mse_step, train_mlp_side_by_side, twin
+from helpers import (MLP, assert_matches_torch_optim, max_param_error, mse_step, sgd_at_lr_1_side_by_side,
+                     train_mlp_side_by_side, twin)
 
 import forge_compile
 from forge_compile.models import TinyGPT, TinyGPTConfig, language_model_train_step
@@ -302,23 +303,6 @@ def test_a_weight_is_updated_after_the_last_matmul_that_reads_it(no_inductor_cac
     gradient was off by 3%) shows as an error of 1e-3, not rounding."""
     torch.manual_seed(0)
     model = _ResidualBlocks()
-    reference = twin(model)
-    optimizer = forge_compile.optim.SGD(model.parameters(), lr=1.0)
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=1.0)
-
-    def train_step(net, opt, x):
-        loss = net(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    step = torch.compile(lambda x: train_step(model, optimizer, x), backend="forge")
-    x = torch.randn(8, 32)
-    report = forge_compile.explain(step, x)
-    train_step(reference, reference_optimizer, x)
-    for _ in range(2):
-        step(x)
-        train_step(reference, reference_optimizer, x)
+    report, reference = sgd_at_lr_1_side_by_side(model, torch.randn(8, 32))
     assert len(report.fused) == 4
     assert max_param_error(model, reference) < 1e-6

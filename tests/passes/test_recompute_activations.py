@@ -2,11 +2,10 @@
 and a compiled step that keeps less and still trains as torch.optim does."""
 
 import operator
-import warnings
 
 import pytest
 import torch
-from helpers import max_param_error, twin
+from helpers import max_param_error, sgd_at_lr_1_side_by_side
 from torch import fx, nn
 
 import forge_compile
@@ -194,8 +193,8 @@ class _GatedBlocks(nn.Module):
 
 @pytest.mark.parametrize("recompute, marks", [(True, "marked"), (True, "provenance only"), (False, "marked")])
 def test_a_step_that_recomputes_trains_as_torch_optim_and_keeps_less(recompute, marks, monkeypatch, no_inductor_cache):
-    """SGD at lr 1 moves each weight by its whole gradient, so a rebuilt value that read an
-    updated weight, or any other wrong input, shows far above rounding."""
+    """SGD at lr 1 (see sgd_at_lr_1_side_by_side): a rebuilt value that read an updated
+    weight, or any other wrong input, shows far above rounding."""
     peaks = {}
     original = backend.recompute_activations
 
@@ -212,24 +211,7 @@ def test_a_step_that_recomputes_trains_as_torch_optim_and_keeps_less(recompute, 
     monkeypatch.setattr(forge_compile.config, "recompute_activations", recompute)
     torch.manual_seed(0)
     model = _GatedBlocks()
-    reference = twin(model)
-    optimizer = forge_compile.optim.SGD(model.parameters(), lr=1.0)
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=1.0)
-
-    def train_step(net, opt, x):
-        loss = net(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    step = torch.compile(lambda x: train_step(model, optimizer, x), backend="forge")
-    x = torch.randn(64, 32)
-    report = forge_compile.explain(step, x)
-    train_step(reference, reference_optimizer, x)
-    for _ in range(2):
-        step(x)
-        train_step(reference, reference_optimizer, x)
+    report, reference = sgd_at_lr_1_side_by_side(model, torch.randn(64, 32))
     assert len(report.fused) == 9
     assert max_param_error(model, reference) < 1e-5
     if recompute:
@@ -246,21 +228,7 @@ def test_a_failure_of_the_pass_compiles_the_step_keeping_activations(monkeypatch
     monkeypatch.setattr(backend, "recompute_activations", failing)
     torch.manual_seed(0)
     model = _GatedBlocks(blocks=1)
-    reference = twin(model)
-    optimizer = forge_compile.optim.SGD(model.parameters(), lr=1.0)
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=1.0)
-
-    def train_step(net, opt, x):
-        loss = net(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    step = torch.compile(lambda x: train_step(model, optimizer, x), backend="forge")
-    x = torch.randn(64, 32)
     with pytest.warns(UserWarning, match="recomputing activations failed on graph .* a failure inside"):
-        report = forge_compile.explain(step, x)
-    train_step(reference, reference_optimizer, x)
+        report, reference = sgd_at_lr_1_side_by_side(model, torch.randn(64, 32), steps=1)
     assert len(report.fused) == 3
     assert max_param_error(model, reference) < 1e-5
