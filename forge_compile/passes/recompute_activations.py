@@ -9,10 +9,12 @@ count at the step's peak (a Llama-3.1-8B layer at 1 x 1024 tokens keeps about 20
 
 This pass does the partitioner's job on the one graph. The backward starts at the first node
 Dynamo traced inside ``torch.autograd.grad`` (``meta["autograd_backward"]`` in torch 2.13;
-in 2.11, the node whose provenance is that call). Each forward
-value the backward reads that a pointwise op, cast or view produced is rebuilt right before
-its first backward use, from values alive there anyway (or rebuilt the same way), so that
-the forward's copy dies at its last forward use; Inductor fuses the rebuilt ops into their
+in 2.11, the first node whose provenance is that call). Each forward value the backward
+reads that a pointwise op, cast, view or size-made constant produced is rebuilt right
+before its backward uses, so that the forward's copy dies at its last forward use. It is
+rebuilt from values alive there anyway, from values rebuilt for that use alone, or from
+inputs kept for the backward in its place, at most half its size in all (a bfloat16
+residual instead of its float32 cast). Inductor fuses the rebuilt ops into their
 consumers. The graph's memory is simulated (each tensor from its producer to its last
 reader, views with their base) for the log and the tests.
 
