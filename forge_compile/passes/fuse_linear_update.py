@@ -427,6 +427,12 @@ def _is_view(node: Node, of: Node) -> bool:
     return bool(node.args) and node.args[0] is of
 
 
+def _views_its_input(node: Node) -> bool:
+    """Whether ``node``'s output is a view of its first argument (``split`` too: its list)."""
+    return node.op == "call_function" and bool(node.args) and isinstance(node.args[0], Node) \
+        and _is_view(node, node.args[0])  # fmt: skip
+
+
 def _rewrite(graph: fx.Graph, c: _Candidate) -> None:
     order = {n: i for i, n in enumerate(graph.nodes)}
     removed = set(c.chain) | {c.update, *c.copies} | set(c.update.users)
@@ -514,7 +520,7 @@ def keep_fused_updates_after_reads(graph: fx.Graph) -> int:
 
 
 def _view_base(node: Node) -> Node:
-    while node.op == "call_function" and node.args and isinstance(node.args[0], Node) and _is_view(node, node.args[0]):
+    while _views_its_input(node):
         node = node.args[0]
     return node
 
@@ -530,8 +536,7 @@ def _hoist_ordered(node: Node, before: Node, order: dict[Node, float]) -> bool:
         return True
     if node.op != "call_function" or node.is_impure():
         return False
-    is_view = bool(node.args) and isinstance(node.args[0], Node) and _is_view(node, node.args[0])
-    if not is_view and _elements(node) > _MAX_HOISTED_ELEMENTS:
+    if not _views_its_input(node) and _elements(node) > _MAX_HOISTED_ELEMENTS:
         return False
     for placeholder in node.all_input_nodes:
         if placeholder.op == "placeholder" and _written_between(placeholder, before, node, order):

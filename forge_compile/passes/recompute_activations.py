@@ -37,7 +37,7 @@ try:  # reads a symbol's hint without adding a guard
 except ImportError:
     from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint  # torch 2.11
 
-from .fuse_linear_update import _aliases, _is_view
+from .fuse_linear_update import _aliases, _views_its_input
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -69,8 +69,9 @@ def recompute_activations(graph: fx.Graph, backward_sources: frozenset[str] = fr
         return 0
     _rebuild_backward_uses(graph, chosen, plan)
     graph.eliminate_dead_code()
-    log.debug("forge: recomputed %d forward values in the backward; simulated peak %.1f -> %.1f MiB",
-              len(chosen), plan.peak_bytes / 2**20, simulated_peak_bytes(graph) / 2**20)  # fmt: skip
+    if log.isEnabledFor(logging.DEBUG):  # the simulation after the rewrite is for this line alone
+        log.debug("forge: recomputed %d forward values in the backward; simulated peak %.1f -> %.1f MiB",
+                  len(chosen), plan.peak_bytes / 2**20, simulated_peak_bytes(graph) / 2**20)  # fmt: skip
     return len(chosen)
 
 
@@ -157,17 +158,12 @@ def _maximum(change: list[int]) -> int:
 def _storage_root(node: Node, roots: dict[Node, Node]) -> Node:
     """The node whose storage ``node``'s output lives in: a view's base, an element of a
     view-returning multi-output op (``split``, ``unbind``) its input's."""
-    if node.op == "call_function" and node.args and isinstance(node.args[0], Node):
-        base = node.args[0]
-        if node.target is operator.getitem:
-            producer = base
-            if producer.op == "call_function" and producer.args and isinstance(producer.args[0], Node) \
-                    and _is_view(producer, producer.args[0]):  # fmt: skip
-                return roots.get(producer, producer)
-            return node
-        if _is_view(node, base):
-            return roots.get(base, base)
-    return node
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
+        return node
+    if node.target is operator.getitem:
+        producer = node.args[0]
+        return roots.get(producer, producer) if _views_its_input(producer) else node
+    return roots.get(node.args[0], node.args[0]) if _views_its_input(node) else node
 
 
 def _bytes(node: Node) -> int:
@@ -181,21 +177,18 @@ def _bytes(node: Node) -> int:
 
 def _recomputable(node: Node) -> bool:
     """A pure op whose output is a function of its inputs alone, cheap to compute again:
-    pointwise, a cast, a view (an element of ``split`` too) or a constant made from sizes. Matmuls, reductions and
-    attention stay saved, as the partitioner keeps them."""
+    pointwise, a cast, a view (an element of ``split`` too) or a constant made from sizes.
+    Matmuls, reductions and attention stay saved, as the partitioner keeps them."""
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
         producer = node.args[0]
-        return isinstance(producer, Node) and producer.op == "call_function" and bool(producer.args) \
-            and isinstance(producer.args[0], Node) and _is_view(producer, producer.args[0]) \
-            and _recomputable(producer)  # fmt: skip
+        return isinstance(producer, Node) and _views_its_input(producer) and _recomputable(producer)
     if not isinstance(node.target, torch._ops.OpOverload):
         return False
     if node.is_impure() or torch.Tag.nondeterministic_seeded in node.target.tags:
         return False
-    is_view = bool(node.args) and isinstance(node.args[0], Node) and _is_view(node, node.args[0])
-    if is_view:
+    if _views_its_input(node):
         return True
     if not isinstance(node.meta.get("val"), torch.Tensor):
         return False
