@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import dtensor, dump, explain, ops  # noqa: F401  (ops registers torch.ops.forge.*)
+from . import dtensor, dump, explain, lowerings, ops  # noqa: F401  (torch.ops.forge.* and their Inductor lowerings)
 from .config import config
 from .passes.fuse_linear_update import decompose_update, fuse_linear_updates, keep_fused_updates_after_reads
 from .passes.recompute_activations import recompute_activations
@@ -65,9 +65,10 @@ _compilations: list[_Compilation] = []
 
 @functools.cache
 def _source_hash() -> str:
-    """Hash of the code that decides the rewrite: a change invalidates Inductor's cache."""
+    """Hash of the code that decides the rewrite and its lowering: a change invalidates Inductor's cache."""
     digest = hashlib.sha256()
-    for path in sorted([*_PACKAGE.glob("passes/*.py"), *_PACKAGE.glob("rules/*.py"), _PACKAGE / "ops.py"]):
+    for path in sorted([*_PACKAGE.glob("passes/*.py"), *_PACKAGE.glob("rules/*.py"), _PACKAGE / "ops.py",
+                        _PACKAGE / "lowerings.py"]):  # fmt: skip
         digest.update(path.read_bytes())
     return digest.hexdigest()
 

@@ -125,7 +125,7 @@ def quantize_state(values: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
     return codes[:, : rows.shape[1]].to(code_dtype(signed)).reshape(values.shape), scales
 
 
-_KEY_REDUCTION_ELEMENTS = 16
+_SEED_ELEMENTS = 16
 
 
 def rounding_seed_tensor(seed: int, device: torch.device) -> Tensor:
@@ -135,28 +135,39 @@ def rounding_seed_tensor(seed: int, device: torch.device) -> Tensor:
     the compiled graph. Inductor writes a 0-d constant, or one of at most 8 elements, into
     the code that reads it: as an int, the seed made each parameter's update code differ
     from every other's, so no two same-shaped parameters could share a generated kernel.
-    A constant of ``_KEY_REDUCTION_ELEMENTS`` elements it keeps as a buffer, read at run
-    time; the key's reduction (:func:`_round_stochastically`) runs over those elements.
+    A constant of ``_SEED_ELEMENTS`` elements it keeps as a buffer, read at run time.
     """
-    return torch.full((_KEY_REDUCTION_ELEMENTS,), seed, dtype=torch.int64, device=device)
+    return torch.full((_SEED_ELEMENTS,), seed, dtype=torch.int64, device=device)
 
 
 def _round_stochastically(values: Tensor, step: Tensor, seed: int | Tensor, first_row: int) -> Tensor:
-    rows = _as_rows(values)
-    index = (torch.arange(rows.shape[0], device=values.device) + first_row)[:, None] * rows.shape[1] + torch.arange(
-        rows.shape[1], device=values.device
+    if not isinstance(seed, Tensor):
+        seed = rounding_seed_tensor(seed, values.device)
+    rows = _as_rows(values).to(torch.float32)
+    return torch.ops.forge.round_bfloat16_stochastically(rows, step, seed, first_row).reshape(values.shape)
+
+
+@torch.library.custom_op("forge::round_bfloat16_stochastically", mutates_args=())
+def round_bfloat16_stochastically(rows: Tensor, step: Tensor, seed: Tensor, first_row: int) -> Tensor:
+    """fp32 ``rows`` ([R, C], rows ``first_row`` on of a weight) rounded stochastically to
+    bf16 values, returned as fp32: :func:`forge_compile.rules.storage.round_bfloat16_stochastically`
+    with the key of ``seed`` (an int64 tensor whose elements all hold the parameter's seed,
+    :func:`rounding_seed_tensor`) at the step count ``step``.
+
+    An op of its own so that Inductor compiles it through forge's lowering
+    (:mod:`forge_compile.lowerings`), which emits the hash once per element; this body is
+    what runs everywhere else.
+    """
+    index = (torch.arange(rows.shape[0], device=rows.device) + first_row)[:, None] * rows.shape[1] + torch.arange(
+        rows.shape[1], device=rows.device
     )
-    # One key per element of a seed tensor, all equal: the same value as an int seed's key
-    # (the torch dialect computes rounding_key in int64 either way).
-    keys = _torch_storage("rounding_key")(seed, step)
-    # Inductor inlines a value it has not stored into each reader, and every line of the
-    # hash reads its input twice, so the key's expression would be copied ~256 times into
-    # each update's loop body (3,914 nodes per update on a 2-layer Qwen3, whose first step
-    # compiled in 345 s on the CPU against 96 s for backend="inductor"). A reduction over
-    # more elements than Inductor unrolls (config.unroll_reductions_threshold, 8) is always
-    # stored: the key becomes one load of a 0-d buffer, with the same value.
-    key = keys.reshape(-1).expand(_KEY_REDUCTION_ELEMENTS).amax()
-    return _torch_storage("round_bfloat16_stochastically")(rows.to(torch.float32), index, key).reshape(values.shape)
+    key = _torch_storage("rounding_key")(seed.reshape(-1)[0], step)
+    return _torch_storage("round_bfloat16_stochastically")(rows, index, key)
+
+
+@round_bfloat16_stochastically.register_fake
+def _round_bfloat16_stochastically_fake(rows, step, seed, first_row):
+    return torch.empty_like(rows)
 
 
 @functools.cache

@@ -25,7 +25,9 @@ The same Python function objects serve three implementations:
   :mod:`forge_compile.rules.torch_dialect`, which maps the few ``tl`` names the rules
   use onto torch operations.
 
-So the fused, the CPU and the unfused paths cannot drift apart: there is one text.
+The stochastic rounding of :mod:`forge_compile.rules.storage` has a third dialect,
+:mod:`forge_compile.rules.inductor_dialect`, for Inductor's lowering of the unfused
+path. So the fused, the CPU and the unfused paths cannot drift apart: there is one text.
 The slots are positional and fixed in number so that one kernel serves every rule;
 a rule names its own slots in ``Rule``.
 """
@@ -119,29 +121,34 @@ class Rule:
         return triton.jit(self.elementwise)
 
 
-def _in_torch_dialect(fn: Callable, _done: dict | None = None) -> Callable:
-    """The same function with the global name ``tl`` bound to the torch dialect.
+def _in_torch_dialect(fn: Callable) -> Callable:
+    """The same function with the global name ``tl`` bound to the torch dialect."""
+    from . import torch_dialect
+
+    return in_dialect(fn, torch_dialect)
+
+
+def in_dialect(fn: Callable, dialect: types.ModuleType, _done: dict | None = None) -> Callable:
+    """The same function with the global name ``tl`` bound to ``dialect``.
 
     ``@triton.jit`` helpers it calls are rebound the same way, so shared pieces
-    (:mod:`forge_compile.rules.common`) serve both dialects as well.
+    (:mod:`forge_compile.rules.common`) serve every dialect as well.
     """
     import triton
-
-    from . import torch_dialect
 
     done = {} if _done is None else _done
     fn = getattr(fn, "fn", fn)  # a JITFunction's Python function
     if fn in done:
         return done[fn]
     scope = dict(fn.__globals__)
-    scope["tl"] = torch_dialect
+    scope["tl"] = dialect
     clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     clone.__qualname__ = fn.__qualname__
     done[fn] = clone
     for name, value in fn.__globals__.items():
         # triton.jit gives a JITFunction, or under TRITON_INTERPRET=1 an InterpretedFunction.
         if isinstance(value, triton.runtime.KernelInterface) and callable(getattr(value, "fn", None)):
-            scope[name] = _in_torch_dialect(value.fn, done)
+            scope[name] = in_dialect(value.fn, dialect, done)
     return clone
 
 

@@ -3,8 +3,10 @@
 Written once in Triton's dialect, like the rules: the fused kernel's epilogue calls these
 helpers as ``triton.jit`` functions, and every torch path (the CPU fused op, the unfused
 Inductor decomposition, eager steps) runs the same text through the torch dialect, which
-computes the 32-bit integer arithmetic in int64. So both paths draw the same random bits
-and produce the same codes.
+computes the 32-bit integer arithmetic in int64. Inductor compiles the rounding of an
+unfused update through the Inductor dialect (:mod:`forge_compile.lowerings`), the same
+text on Inductor's ``ops``, also in int64. So all paths draw the same random bits and
+produce the same codes.
 
 **Stochastic rounding** (fp32 -> bf16). Adding 16 uniform random bits to the low half of
 an fp32 pattern and truncating rounds the magnitude up with probability equal to the

@@ -164,6 +164,38 @@ def test_stochastic_rounding_of_unfused_parameters_matches_the_eager_step():
         assert torch.equal(compiled, eager)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])  # fmt: skip
+def test_inductor_lowering_of_stochastic_rounding_draws_the_eager_bits_in_one_body(device, no_inductor_cache):
+    """forge lowers its rounding op to one point-wise body (forge_compile.lowerings). The
+    compiled result must be the eager op's bits, NaN and inf included, for rows that start
+    inside a weight (``first_row``) and a step and seed read at run time; and the generated
+    code must compute it inline in the kernel of the product it rounds, not call the op
+    back or store the key in a kernel of its own."""
+    from torch._inductor.utils import run_and_get_code
+
+    rows = torch.randn(37, 70, device=device) * 1e-3 + 1
+    rows[3, 4] = float("nan")
+    rows[5, 6] = float("inf")
+    step = torch.tensor(7.0, device=device)
+
+    def update_then_round(rows, step, seed):
+        return torch.ops.forge.round_bfloat16_stochastically(rows * 0.5, step, seed, 5)
+
+    for seed in (1, 2**31 - 1):
+        seed_tensor = ops.rounding_seed_tensor(seed, rows.device)
+        eager = update_then_round(rows, step, seed_tensor)
+        torch._dynamo.reset()
+        compiled, (code,) = run_and_get_code(torch.compile(update_then_round, backend="inductor"),
+                                             rows, step, seed_tensor)  # fmt: skip
+        assert torch.equal(compiled.view(torch.int32), eager.view(torch.int32))
+        assert "torch.ops.forge" not in code
+        assert code.count("async_compile.cpp" if device == "cpu" else "async_compile.triton") == 1
+        finite = torch.isfinite(eager)
+        assert (eager[finite] != (rows * 0.5)[finite]).any()
+        assert torch.isnan(eager[3, 4]) and torch.isinf(eager[5, 6])
+
+
 def test_fp16_refuses_stochastic_rounding_with_a_clear_error():
     layer = nn.Linear(8, 8).half()
     with pytest.raises(ValueError, match="stochastic_rounding supports bf16"):
