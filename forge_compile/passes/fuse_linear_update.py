@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import operator
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import fx
@@ -539,7 +539,7 @@ def _hoist_ordered(node: Node, before: Node, order: dict[Node, float]) -> bool:
     if not _views_its_input(node) and _elements(node) > _MAX_HOISTED_ELEMENTS:
         return False
     for placeholder in node.all_input_nodes:
-        if placeholder.op == "placeholder" and _written_between(placeholder, before, node, order):
+        if placeholder.op == "placeholder" and _written_between(placeholder, order[before], order[node], order):
             return False
     if not all(_hoist_ordered(arg, before, order) for arg in node.all_input_nodes):
         return False
@@ -548,10 +548,13 @@ def _hoist_ordered(node: Node, before: Node, order: dict[Node, float]) -> bool:
     return True
 
 
-def _written_between(placeholder: Node, start: Node, end: Node, order: dict[Node, float]) -> bool:
-    for user in placeholder.users:
-        if order[start] <= order[user] < order[end] and user.is_impure():
-            return True
+def _written_between(placeholder: Node, start: float, end: float, order: Mapping[Node, float]) -> bool:
+    """Whether an op at a position in [start, end) writes the input (an optimizer's update
+    of a weight, a buffer's in-place update) through any of its views."""
+    for alias in _aliases(placeholder):
+        for user in alias.users:
+            if start <= order[user] < end and user.is_impure():
+                return True
     return False
 
 

@@ -37,7 +37,7 @@ try:  # reads a symbol's hint without adding a guard
 except ImportError:
     from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint  # torch 2.11
 
-from .fuse_linear_update import _aliases, _views_its_input
+from .fuse_linear_update import _aliases, _views_its_input, _written_between
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -236,7 +236,7 @@ def _find_blocker(node: Node, at: int, chosen: set[Node], plan: _Liveness, depth
                   budget: dict[Node, int]) -> Node | None:  # fmt: skip
     root = plan.root[node]
     if root.op in ("placeholder", "get_attr"):
-        return owner if _written_between(root, plan.order[node], at, plan) else None
+        return owner if _written_between(root, plan.order[node], at, plan.order) else None
     if root not in chosen and plan.alive_at(root, at):
         return None  # alive there anyway: reading it costs nothing
     if depth >= _MAX_DEPTH:
@@ -259,16 +259,6 @@ def _find_blocker(node: Node, at: int, chosen: set[Node], plan: _Liveness, depth
         if blocker is not None:
             return blocker
     return None
-
-
-def _written_between(placeholder: Node, start: int, end: int, plan: _Liveness) -> bool:
-    """Whether an op between the two positions writes the input (an optimizer's update of a
-    weight, a buffer's in-place update) through any of its views."""
-    for alias in _aliases(placeholder):
-        for user in alias.users:
-            if start <= plan.order[user] < end and user.is_impure():
-                return True
-    return False
 
 
 def _rebuild_backward_uses(graph: fx.Graph, chosen: set[Node], plan: _Liveness) -> None:

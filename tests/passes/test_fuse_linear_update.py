@@ -236,3 +236,31 @@ def test_logged_gradient_is_rejected_and_the_step_is_right():
     torch.testing.assert_close(model.weight, reference.weight, atol=1e-6, rtol=0)
     torch.testing.assert_close(torch.compile(step, backend="forge")(x), reference_step(x))
     torch.testing.assert_close(model.weight, reference.weight, atol=1e-6, rtol=0)
+
+
+def test_a_read_is_not_hoisted_above_a_write_through_a_view_of_its_input():
+    """The pass moves a fused op's operands up to where it goes. A read of an input must
+    stay after an in-place write to that input, also when the write goes through a view
+    (a row of a weight): moved above it, the read would see the old values."""
+    from forge_compile.passes.fuse_linear_update import _hoist_ordered
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    weight, other = graph.placeholder("weight"), graph.placeholder("other")
+    row = graph.call_function(aten.select.int, (weight, 0, 0))
+    anchor = graph.call_function(aten.mul.Tensor, (other, 2))
+    graph.call_function(aten.add_.Tensor, (row, 1))
+    read = graph.call_function(aten.mul.Tensor, (weight, 3))
+    graph.output((anchor, read))
+    for node, value in [(weight, torch.ones(2, 3)), (other, torch.ones(3)), (row, torch.ones(3)),
+                        (anchor, torch.ones(3)), (read, torch.ones(2, 3))]:  # fmt: skip
+        node.meta["val"] = value
+    order = {n: float(i) for i, n in enumerate(graph.nodes)}
+    before = list(graph.nodes)
+    assert not _hoist_ordered(read, anchor, order)
+    assert list(graph.nodes) == before
+    # With the write gone the same read may move up.
+    graph.erase_node(next(n for n in graph.nodes if n.target is aten.add_.Tensor))
+    order = {n: float(i) for i, n in enumerate(graph.nodes)}
+    assert _hoist_ordered(read, anchor, order)
+    assert list(graph.nodes).index(read) < list(graph.nodes).index(anchor)
