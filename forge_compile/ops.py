@@ -158,6 +158,7 @@ def round_bfloat16_stochastically(rows: Tensor, step: Tensor, seed: Tensor, firs
     (:mod:`forge_compile.lowerings`), which emits the hash once per element; this body is
     what runs everywhere else.
     """
+    _check_rounding_arguments(rows, seed)
     index = (torch.arange(rows.shape[0], device=rows.device) + first_row)[:, None] * rows.shape[1] + torch.arange(
         rows.shape[1], device=rows.device
     )
@@ -167,7 +168,17 @@ def round_bfloat16_stochastically(rows: Tensor, step: Tensor, seed: Tensor, firs
 
 @round_bfloat16_stochastically.register_fake
 def _round_bfloat16_stochastically_fake(rows, step, seed, first_row):
+    _check_rounding_arguments(rows, seed)
     return torch.empty_like(rows)
+
+
+def _check_rounding_arguments(rows: Tensor, seed: Tensor) -> None:
+    if rows.dtype != torch.float32 or rows.dim() != 2:
+        raise ValueError(f"forge: round_bfloat16_stochastically takes fp32 rows [R, C], got {rows.dtype} "
+                         f"of shape {tuple(rows.shape)}: cast the values to float32 and reshape them to rows")  # fmt: skip
+    if seed.dtype != torch.int64 or seed.numel() == 0:
+        raise ValueError(f"forge: the rounding seed is an int64 tensor of the parameter's seed "
+                         f"(forge_compile.ops.rounding_seed_tensor), got {seed.dtype} of shape {tuple(seed.shape)}")  # fmt: skip
 
 
 @functools.cache

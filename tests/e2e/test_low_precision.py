@@ -194,6 +194,20 @@ def test_inductor_lowering_of_stochastic_rounding_draws_the_eager_bits_in_one_bo
         finite = torch.isfinite(eager)
         assert (eager[finite] != (rows * 0.5)[finite]).any()
         assert torch.isnan(eager[3, 4]) and torch.isinf(eager[5, 6])
+    if device == "cuda":  # a step count on the CPU: the lowering calls the op itself, same bits
+        torch._dynamo.reset()
+        compiled = torch.compile(update_then_round, backend="inductor")(rows, step.cpu(), seed_tensor)
+        assert torch.equal(compiled.view(torch.int32), eager.view(torch.int32))
+
+
+def test_rounding_op_refuses_what_it_cannot_round_with_a_clear_error():
+    step, seed = torch.tensor(1.0), ops.rounding_seed_tensor(3, torch.device("cpu"))
+    with pytest.raises(ValueError, match="fp32 rows"):
+        torch.ops.forge.round_bfloat16_stochastically(torch.ones(4, 4, dtype=torch.bfloat16), step, seed, 0)
+    with pytest.raises(ValueError, match="fp32 rows"):
+        torch.ops.forge.round_bfloat16_stochastically(torch.ones(4), step, seed, 0)
+    with pytest.raises(ValueError, match="int64 tensor"):
+        torch.ops.forge.round_bfloat16_stochastically(torch.ones(4, 4), step, seed.float(), 0)
 
 
 def test_fp16_refuses_stochastic_rounding_with_a_clear_error():
