@@ -538,8 +538,11 @@ def _hoist_ordered(node: Node, before: Node, order: dict[Node, float]) -> bool:
         return False
     if not _views_its_input(node) and _elements(node) > _MAX_HOISTED_ELEMENTS:
         return False
-    for placeholder in node.all_input_nodes:
-        if placeholder.op == "placeholder" and _written_between(placeholder, order[before], order[node], order):
+    # What ``node`` reads, directly or through views, must not be written between its new
+    # place and its old one.
+    for arg in node.all_input_nodes:
+        base = _view_base(arg)
+        if base.op == "placeholder" and _written_between(base, order[before], order[node], order):
             return False
     if not all(_hoist_ordered(arg, before, order) for arg in node.all_input_nodes):
         return False

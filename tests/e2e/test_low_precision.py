@@ -175,12 +175,18 @@ def test_inductor_lowering_of_stochastic_rounding_draws_the_eager_bits_in_one_bo
     from torch._inductor.utils import run_and_get_code
 
     rows = torch.randn(37, 70, device=device) * 1e-3 + 1
+    rows[1] *= -1  # the sign bit set
+    rows[2] = torch.randn(70, device=device) * 1e-39  # subnormals
     rows[3, 4] = float("nan")
     rows[5, 6] = float("inf")
+    # Two NaN patterns: a payload in the low bits only (the product quiets it), and every
+    # bit set, which adding random bits would wrap to zero without the guard.
+    rows.view(torch.int32)[7, :2] = torch.tensor([0x7F800001, -1], dtype=torch.int32)
     step = torch.tensor(7.0, device=device)
 
     def update_then_round(rows, step, seed):
-        return torch.ops.forge.round_bfloat16_stochastically(rows * 0.5, step, seed, 5)
+        # 2**25 rows in, the element index passes 2**31: on a GPU Inductor may compute it in int32.
+        return torch.ops.forge.round_bfloat16_stochastically(rows * 0.5, step, seed, 2**25)
 
     for seed in (1, 2**31 - 1):
         seed_tensor = ops.rounding_seed_tensor(seed, rows.device)
@@ -193,7 +199,7 @@ def test_inductor_lowering_of_stochastic_rounding_draws_the_eager_bits_in_one_bo
         assert code.count("async_compile.cpp" if device == "cpu" else "async_compile.triton") == 1
         finite = torch.isfinite(eager)
         assert (eager[finite] != (rows * 0.5)[finite]).any()
-        assert torch.isnan(eager[3, 4]) and torch.isinf(eager[5, 6])
+        assert torch.isnan(eager[3, 4]) and torch.isinf(eager[5, 6]) and torch.isnan(eager[7, :2]).all()
     if device == "cuda":  # a step count on the CPU: the lowering calls the op itself, same bits
         torch._dynamo.reset()
         compiled = torch.compile(update_then_round, backend="inductor")(rows, step.cpu(), seed_tensor)

@@ -264,3 +264,31 @@ def test_a_read_is_not_hoisted_above_a_write_through_a_view_of_its_input():
     order = {n: float(i) for i, n in enumerate(graph.nodes)}
     assert _hoist_ordered(read, anchor, order)
     assert list(graph.nodes).index(read) < list(graph.nodes).index(anchor)
+
+
+@pytest.mark.parametrize("view_before_anchor", [True, False])
+def test_a_read_through_a_view_is_not_hoisted_above_a_write_through_another_view(view_before_anchor):
+    """The read goes through a view of the input (its transpose), the write through
+    another (a row): the read must stay after the write wherever the transpose is."""
+    from forge_compile.passes.fuse_linear_update import _hoist_ordered
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    weight, other = graph.placeholder("weight"), graph.placeholder("other")
+    values = {weight: torch.ones(2, 3), other: torch.ones(3)}
+    if view_before_anchor:
+        transposed = graph.call_function(aten.permute.default, (weight, [1, 0]))
+    anchor = graph.call_function(aten.mul.Tensor, (other, 2))
+    if not view_before_anchor:
+        transposed = graph.call_function(aten.permute.default, (weight, [1, 0]))
+    row = graph.call_function(aten.select.int, (weight, 0, 0))
+    graph.call_function(aten.add_.Tensor, (row, 1))
+    read = graph.call_function(aten.mul.Tensor, (transposed, 3))
+    graph.output((anchor, read))
+    values.update({transposed: torch.ones(3, 2), anchor: torch.ones(3), row: torch.ones(3), read: torch.ones(3, 2)})
+    for node, value in values.items():
+        node.meta["val"] = value
+    order = {n: float(i) for i, n in enumerate(graph.nodes)}
+    assert not _hoist_ordered(read, anchor, order)
+    nodes = list(graph.nodes)
+    assert nodes.index(read) > nodes.index(next(n for n in nodes if n.target is aten.add_.Tensor))
