@@ -22,6 +22,14 @@ def _result(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _results_per_device(name: str):
+    """(device, data) of benchmarks/results/NAME_cpu.json and NAME_cuda.json, those that exist."""
+    for device in ("cpu", "cuda"):
+        data = _result(f"{name}_{device}")
+        if data is not None:
+            yield device, data
+
+
 def _mib(n) -> str:
     return f"{n / 2**20:,.0f} MiB" if n else "n/a"
 
@@ -183,10 +191,7 @@ def quantization_section() -> list[str]:
 
 def compile_time_section() -> list[str]:
     lines = []
-    for device in ("cpu", "cuda"):
-        data = _result(f"compile_time_{device}")
-        if data is None:
-            continue
+    for device, data in _results_per_device("compile_time"):
         env, runs = data["environment"], data["runs"]
         lines.append(
             f"**First-step compile time, {env['gpu'] or 'CPU'}** (a Qwen3 with random weights, "
@@ -205,10 +210,7 @@ def compile_time_section() -> list[str]:
 
 def recompute_section() -> list[str]:
     lines = []
-    for device in ("cpu", "cuda"):
-        data = _result(f"recompute_memory_{device}")
-        if data is None:
-            continue
+    for device, data in _results_per_device("recompute_memory"):
         env, runs, summary = data["environment"], data["runs"], data["summary"]
         keep, recompute = runs["keep"], runs["recompute"]
         line = (f"**Recomputing activations in the backward** ({data['model']}, {env['gpu'] or 'CPU'}, "

@@ -143,10 +143,8 @@ class ForgePostPass(CustomGraphPass):
             try:
                 recomputed = recompute_activations(graph, self.backward_sources)
             except Exception as error:  # noqa: BLE001 - the graph is compiled again without this pass
-                compilation = _compilations[-1] if _compilations else None
-                if compilation is None:
-                    raise
-                compilation.recompute_failed = error
+                if _compilations:
+                    _compilations[-1].recompute_failed = error
                 raise
             if recomputed:
                 log.debug("forge: %d forward values recomputed in the backward", recomputed)
@@ -178,14 +176,15 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None 
         inductor_settings = torch._TorchCompileInductorWrapper(mode, options, dynamic=None).config
         kwargs["config_patches"] = {**inductor_settings, **kwargs.get("config_patches", {})}
 
+    # The Dynamo nodes of torch.autograd.grad: where the backward comes from (see recompute_activations).
+    backward_sources = frozenset(n.name for n in gm.graph.nodes if n.target is torch.autograd.grad)
     record = explain.GraphRecord(
         graph=next(_graph_numbers),
         nodes=len(gm.graph.nodes),
         break_reason=_break_reason(gm),
-        has_backward=any(n.target is torch.autograd.grad for n in gm.graph.nodes),
+        has_backward=bool(backward_sources),
     )
     has_updates = any(n.target in _UPDATE_TARGETS for n in gm.graph.nodes)
-    backward_sources = frozenset(n.name for n in gm.graph.nodes if n.target is torch.autograd.grad)
     names, record.input_ids = _input_names(gm)
     compilation = _Compilation(record, names, _decision_key(gm, example_inputs), config.fuse,
                                recompute=record.has_backward and config.recompute_activations)
