@@ -3,8 +3,9 @@
 ``forge_backend(gm, example_inputs)`` calls ``torch._inductor.compile_fx.compile_fx`` with
 :class:`FuseLinearUpdatePass` installed as Inductor's ``post_grad_custom_pre_pass``; the
 pass rewrites the post-grad ATen graph that AOTAutograd builds from forward, backward
-and the optimizer's ops. Everything else is Inductor's: a graph with no forge updates
-compiles exactly as under ``backend="inductor"``.
+and the optimizer's ops. Everything else is Inductor's, but for one decomposition: an
+embedding's gradient is traced as a gather of its summed rows, which Inductor fuses into
+the update instead of storing a dense fp32 gradient (:mod:`forge_compile.decompositions`).
 
 Around that call the backend keeps a :class:`forge_compile.explain.GraphRecord` per graph:
 
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import dtensor, dump, explain, lowerings, ops  # noqa: F401  (torch.ops.forge.* and their Inductor lowerings)
+from . import decompositions, dtensor, dump, explain, lowerings, ops  # noqa: F401  (torch.ops.forge.* and their Inductor lowerings)
 from .config import config
 from .passes.fuse_linear_update import decompose_update, fuse_linear_updates, keep_fused_updates_after_reads
 from .passes.recompute_activations import recompute_activations
@@ -68,7 +69,7 @@ def _source_hash() -> str:
     """Hash of the code that decides the rewrite and its lowering: a change invalidates Inductor's cache."""
     digest = hashlib.sha256()
     for path in sorted([*_PACKAGE.glob("passes/*.py"), *_PACKAGE.glob("rules/*.py"), _PACKAGE / "ops.py",
-                        _PACKAGE / "lowerings.py"]):  # fmt: skip
+                        _PACKAGE / "lowerings.py", _PACKAGE / "decompositions.py"]):  # fmt: skip
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -175,6 +176,9 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None 
         # unknown mode or option), and forge passes those on to the same compile_fx.
         inductor_settings = torch._TorchCompileInductorWrapper(mode, options, dynamic=None).config
         kwargs["config_patches"] = {**inductor_settings, **kwargs.get("config_patches", {})}
+    # An embedding's gradient as a gather of its summed rows (decompositions.py); a table
+    # the caller passes replaces Inductor's, as it does for compile_fx.
+    kwargs.setdefault("decompositions", decompositions.decompositions())
 
     # The Dynamo nodes of torch.autograd.grad: where the backward comes from (see recompute_activations).
     backward_sources = frozenset(n.name for n in gm.graph.nodes if n.target is torch.autograd.grad)

@@ -333,8 +333,9 @@ _OP_HINTS = {
 }
 
 
-def _op_name(node: Node) -> str:
-    target = node.target
+def _op_name(node) -> str:
+    """The short name of a node's op, or of an op overload itself."""
+    target = node.target if isinstance(node, Node) else node
     name = target.__name__.split(".")[0] if hasattr(target, "__name__") else str(target)
     return name.removeprefix("_foreach_")
 
@@ -355,7 +356,8 @@ def _transformed_gradient(node: Node) -> Rejection:
                 "gradient read by a global norm and rescaled (clip_grad_norm_): the norm needs every gradient "
                 "before any update",
             )
-    name = _op_name(producer)
+    # A decomposed op (forge's embedding gradient is a gather) is known by the op it came from.
+    name = _op_name(producer.meta.get("original_aten") or producer)
     if getattr(producer.target, "namespace", None) in _COLLECTIVE_NAMESPACES:
         return Rejection(
             explain.REDUCED_ACROSS_RANKS,

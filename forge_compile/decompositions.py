@@ -1,0 +1,64 @@
+"""How forge's graphs trace an embedding's gradient: by the rows the tokens read.
+
+Inductor's stock decomposition of ``aten.embedding_dense_backward`` zero-fills an fp32
+``[vocabulary, width]`` buffer, scatter-adds each token's gradient row into it and casts
+the result to the weight's dtype. For Llama-3.1-8B's 128256 x 4096 embedding that buffer
+is 2.0 GiB, written whole by the fill and read whole by the update, to carry at most one
+row per token (1024 at micro-batch 1 x 1024). In the step profile of the 8B shape on an
+H100 the fill and the update that reads the buffer took 3.5 ms against 1.7 ms for the
+same work in ``backend="inductor"``'s step.
+
+:func:`embedding_dense_backward_by_rows` sums the gradient rows into a ``[tokens + 1,
+width]`` buffer instead (one slot per token, the last token that reads a row standing
+for it) and returns the dense gradient as a gather from it: ``where(row is read,
+summed[slot of row], 0)``. That is a point-wise expression, so Inductor computes it
+inside whatever reads the gradient (the optimizer's update kernel) and the dense
+gradient is never stored. The sums are the same fp32 sums of the same rows, cast to the
+result dtype as before. A reader that needs the gradient as a tensor (a grad norm, a
+returned ``.grad``) makes Inductor store it, in the weight's dtype rather than fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch._decomp import decompositions as torch_decompositions
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+aten = torch.ops.aten
+
+
+def embedding_dense_backward_by_rows(grad_output: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
+                                     scale_grad_by_freq: bool) -> Tensor:  # fmt: skip
+    """``aten.embedding_dense_backward`` without a dense fp32 buffer (module docstring)."""
+    if scale_grad_by_freq:  # rare; torch's form counts the tokens per row in a buffer anyway
+        return torch_decompositions.embedding_dense_backward(
+            grad_output, indices, num_weights, padding_idx, scale_grad_by_freq
+        )
+    computation_dtype, result_dtype = elementwise_dtypes(
+        grad_output, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
+    )
+    width = grad_output.shape[indices.ndim :]
+    tokens = indices.numel()
+    token_rows = indices.reshape(-1).to(torch.long)
+    gradients = grad_output.reshape(tokens, -1).to(computation_dtype)
+    counted = (token_rows >= 0) & (token_rows < num_weights) & (token_rows != padding_idx)
+    row = torch.where(counted, token_rows, 0)
+    position = torch.arange(tokens, device=indices.device, dtype=torch.long)
+    # Each row's slot: the last token that reads it (amax: the same slot on every run), -1 if none.
+    slot_of_row = token_rows.new_full((num_weights,), -1).scatter_reduce(
+        0, row, torch.where(counted, position, -1), "amax"
+    )
+    # Tokens that do not count (padding) add into a spare slot that no row reads.
+    slot_of_token = torch.where(counted, slot_of_row[row], tokens)
+    summed = gradients.new_zeros((tokens + 1, gradients.shape[1])).index_put((slot_of_token,), gradients, accumulate=True)
+    read = (slot_of_row >= 0).unsqueeze(1)
+    dense = torch.where(read, summed[slot_of_row.clamp(min=0)], 0)
+    return dense.to(result_dtype).reshape((num_weights, *width))
+
+
+def decompositions() -> dict:
+    """Inductor's decomposition table with forge's embedding gradient in it."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return {**select_decomp_table(), aten.embedding_dense_backward.default: embedding_dense_backward_by_rows}

@@ -1,0 +1,103 @@
+"""An embedding's gradient by its summed rows (forge_compile/decompositions.py): the same
+values as torch's dense gradient, and in a compiled step no dense gradient buffer."""
+
+import re
+
+import pytest
+import torch
+from helpers import assert_matches_torch_optim, twin
+from torch import nn
+from torch._decomp.decompositions import embedding_dense_backward as torch_embedding_dense_backward
+
+import forge_compile
+from forge_compile.decompositions import embedding_dense_backward_by_rows
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padding_idx", [-1, 3])
+@pytest.mark.parametrize("index_shape", [(29,), (3, 11)])
+def test_rows_give_torch_decompositions_gradient(device, dtype, padding_idx, index_shape):
+    generator = torch.Generator().manual_seed(0)
+    vocabulary, width = 40, 6
+    # Few distinct rows, so most are read by several tokens; row 3 (padding) among them; rows never read too.
+    indices = torch.randint(0, 9, index_shape, generator=generator)
+    indices.view(-1)[:4] = torch.tensor([3, 3, 8, 0])
+    grad_output = torch.randn(*index_shape, width, generator=generator).to(device, dtype)
+    indices = indices.to(device)
+    ours = embedding_dense_backward_by_rows(grad_output, indices, vocabulary, padding_idx, False)
+    stock = torch_embedding_dense_backward(grad_output, indices, vocabulary, padding_idx, False)
+    assert ours.dtype == stock.dtype == dtype and ours.shape == (vocabulary, width)
+    # The same fp32 sums of the same rows, cast once; on the CPU in the same (token) order.
+    if device == "cpu":
+        assert torch.equal(ours, stock)
+    else:
+        torch.testing.assert_close(ours, stock, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
+    if padding_idx == 3:
+        assert not ours[3].any(), "the padding row must get no gradient"
+    assert ours[3].any() or padding_idx == 3, "row 3 is read, so it must have a gradient when it is not padding"
+
+
+def test_gradient_scaled_by_frequency_is_torchs():
+    indices = torch.tensor([[1, 1, 2], [5, 1, 2]])
+    grad_output = torch.randn(2, 3, 4)
+    ours = embedding_dense_backward_by_rows(grad_output, indices, 7, -1, True)
+    torch.testing.assert_close(ours, torch.ops.aten.embedding_dense_backward(grad_output, indices, 7, -1, True))
+
+
+class _TokenModel(nn.Module):
+    def __init__(self, vocabulary, width):
+        super().__init__()
+        self.embedding = nn.Embedding(vocabulary, width, padding_idx=0)
+        self.head = nn.Linear(width, vocabulary, bias=False)
+
+    def forward(self, tokens):
+        logits = self.head(torch.tanh(self.embedding(tokens)))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(1, dims=1).flatten())
+
+
+def _step(model, optimizer, between=None):
+    def train_step(tokens):
+        loss = model(tokens)
+        loss.backward()
+        if between is not None:
+            between(model)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return train_step
+
+
+@pytest.mark.parametrize("between", [None, "clip_grad_norm"])
+def test_compiled_step_updates_the_embedding_from_its_rows_as_torch_optim(between):
+    from torch._inductor.utils import run_and_get_code
+
+    vocabulary, width, lr, steps = 97, 24, 1e-2, 4
+    torch.manual_seed(0)
+    model = _TokenModel(vocabulary, width)
+    reference = twin(model)
+    clip = (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)) if between else None
+    step = torch.compile(_step(model, forge_compile.optim.AdamW(model.parameters(), lr=lr), clip), backend="forge")
+    reference_step = _step(reference, torch.optim.AdamW(reference.parameters(), lr=lr), clip)
+    generator = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        tokens = torch.randint(0, 30, (4, 9), generator=generator)  # rows 30-96 never read: decay only
+        tokens[0, :3] = 0  # padding
+        tokens[1, :4] = 11  # one row read four times
+        if i == 0:
+            _, code = run_and_get_code(step, tokens)
+            source = "\n".join(code)
+        else:
+            step(tokens)
+        reference_step(tokens)
+    assert_matches_torch_optim(model, reference, lr=lr, steps=steps)
+    dense = re.findall(rf"empty_strided_\w+\(\({vocabulary}, {width}\), \({width}, 1\), torch.float32\)", source)
+    reason = {d.name: d.reason for d in forge_compile.explain(step, tokens).rejected}["model.embedding.weight"]
+    if between is None:
+        assert not dense, "the embedding's dense fp32 gradient was stored; it should fuse into the update"
+        assert "embedding" in reason, reason  # explain names the op the gather came from
+    else:  # the norm reads the gradient too: stored (in the weight's dtype), and the clip is the reason given
+        assert "clip_grad_norm_" in reason, reason
