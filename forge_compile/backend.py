@@ -69,9 +69,18 @@ def _source_hash() -> str:
     """Hash of the code that decides the rewrite and its lowering: a change invalidates Inductor's cache."""
     digest = hashlib.sha256()
     for path in sorted([*_PACKAGE.glob("passes/*.py"), *_PACKAGE.glob("rules/*.py"), _PACKAGE / "ops.py",
-                        _PACKAGE / "lowerings.py", _PACKAGE / "decompositions.py"]):  # fmt: skip
+                        _PACKAGE / "lowerings.py", _PACKAGE / "decompositions.py", _PACKAGE / "backend.py"]):  # fmt: skip
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def _forge_decompositions():
+    """Inductor's decompositions with an embedding's gradient traced by rows (decompositions.py),
+    for this compilation only."""
+    import torch._inductor.compile_fx
+
+    return unittest.mock.patch.object(torch._inductor.compile_fx, "select_decomp_table",
+                                      decompositions.select_decomp_table)  # fmt: skip
 
 
 class FuseLinearUpdatePass(CustomGraphPass):
@@ -176,9 +185,6 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None 
         # unknown mode or option), and forge passes those on to the same compile_fx.
         inductor_settings = torch._TorchCompileInductorWrapper(mode, options, dynamic=None).config
         kwargs["config_patches"] = {**inductor_settings, **kwargs.get("config_patches", {})}
-    # An embedding's gradient as a gather of its summed rows (decompositions.py); a table
-    # the caller passes replaces Inductor's, as it does for compile_fx.
-    kwargs.setdefault("decompositions", decompositions.decompositions())
 
     # The Dynamo nodes of torch.autograd.grad: where the backward comes from (see recompute_activations).
     backward_sources = frozenset(n.name for n in gm.graph.nodes if n.target is torch.autograd.grad)
@@ -199,7 +205,7 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None 
             post_pass = ForgePostPass(torch._inductor.config.post_grad_custom_post_pass, recompute=compilation.recompute,
                                       backward_sources=backward_sources)  # fmt: skip
             with torch._inductor.config.patch(post_grad_custom_pre_pass=custom_pass, post_grad_custom_post_pass=post_pass,
-                                              **patches), _dumping(record):  # fmt: skip
+                                              **patches), _dumping(record), _forge_decompositions():  # fmt: skip
                 return compile_fx(gm, example_inputs, **kwargs)
         finally:
             _compilations.pop()

@@ -57,8 +57,13 @@ def embedding_dense_backward_by_rows(grad_output: Tensor, indices: Tensor, num_w
     return dense.to(result_dtype).reshape((num_weights, *width))
 
 
-def decompositions() -> dict:
-    """Inductor's decomposition table with forge's embedding gradient in it."""
-    from torch._inductor.decomposition import select_decomp_table
+def select_decomp_table() -> dict:
+    """Inductor's decomposition table with forge's embedding gradient in it.
 
-    return {**select_decomp_table(), aten.embedding_dense_backward.default: embedding_dense_backward_by_rows}
+    The backend puts this function in place of Inductor's ``select_decomp_table`` while it
+    compiles a graph. Passing the table to ``compile_fx`` instead would make the graph
+    uncacheable: Inductor's cache key pickles a given table, and some of its entries are
+    C++ functions (the FX cache then bypasses with "unpicklable type")."""
+    from torch._inductor.decomposition import select_decomp_table as inductor_table
+
+    return {**inductor_table(), aten.embedding_dense_backward.default: embedding_dense_backward_by_rows}
