@@ -78,7 +78,7 @@ def _mainloop_kernel(
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    tl.store(out_ptr + pid, tl.sum(tl.sum(acc, 1), 0))
+    tl.store(out_ptr + tl.program_id(0), tl.sum(tl.sum(acc, 1), 0))
 
 
 def main() -> int:

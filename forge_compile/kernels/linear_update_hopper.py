@@ -29,7 +29,6 @@ import functools
 import inspect
 
 import torch
-import triton
 
 try:
     from triton.experimental import gluon
