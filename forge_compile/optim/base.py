@@ -119,7 +119,9 @@ class _GroupView:
         """A parameter's storage needs forge's rule outside torch.compile too."""
         self.group: dict = {}
         self.params: list[Tensor] = []
-        self.options: tuple[int, ...] = ()
+        self.options: tuple[bool, ...] = ()
+        """The rule's switches, as bools: Dynamo bakes a bool into the graph (and guards on
+        it) under ``dynamic=True`` too, where an int read from here would become a symbol."""
         self.state_keys: tuple[str, ...] = ()
         self.hyperparameters: list[list[Tensor]] = []
         self._copies: dict[tuple[torch.device, int], Tensor] = {}
@@ -141,7 +143,7 @@ class _GroupView:
             self.own_math = any(seed is not None for seed in self.rounding_seeds) or any(
                 opt._forge_state_format(p) != p.dtype for p in self.params
             )
-        self.options = tuple(int(o) for o in opt._forge_options(group))
+        self.options = tuple(bool(o) for o in opt._forge_options(group))
         active = rule.active_states(self.options)
         state_keys = tuple(k for k, on in zip(rule.state_keys, active) if on)
         states_changed = params_changed or state_keys != self.state_keys
@@ -400,7 +402,7 @@ class ForgeOptimizer:
                     self._forge_complete_state(view.params[i], view)
             steps = [self.state[view.params[i]]["step"] for i in indices]
             torch._foreach_add_(steps, 1)
-            options = list(view.options)
+            options = [int(switch) for switch in view.options]
             for i in indices:
                 p = view.params[i]
                 state = self.state[p]

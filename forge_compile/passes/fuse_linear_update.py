@@ -648,11 +648,20 @@ def _trace_signature(rule_name: str, options, quantized_states: bool, fake_args:
     return rule_name, tuple(options), quantized_states, tuple(layouts)
 
 
-def _rounding_seed_constant(graph: fx.Graph, before: Node, seed: int, device: torch.device, fake_mode) -> Node:
+def _rounding_seed_constant(graph: fx.Graph, before: Node, seed: int | Node, device: torch.device, fake_mode) -> Node:
     """A ``get_attr`` node of ``seed`` as :func:`ops.rounding_seed_tensor`, a buffer of the
-    graph's module: one per seed and device, inserted before its first reader ``before``."""
+    graph's module: one per seed and device, inserted before its first reader ``before``.
+    Under ``dynamic=True`` Dynamo passes the seed as a symbolic int, a graph input: then the
+    tensor is filled from it in the graph, with the value each call is given."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    if isinstance(seed, Node):
+        with graph.inserting_before(before):
+            node = graph.call_function(aten.full.default, ([ops.SEED_ELEMENTS], seed),
+                                       {"dtype": torch.int64, "device": device})  # fmt: skip
+        with fake_mode:
+            node.meta["val"] = torch.full((ops.SEED_ELEMENTS,), seed.meta["val"], dtype=torch.int64, device=device)
+        return node
     module = graph.owning_module
     if module is None:
         raise RuntimeError("forge: decompose_update needs a graph owned by a GraphModule (the seed is its buffer)")

@@ -71,8 +71,9 @@ def _step(model, optimizer, between=None):
     return train_step
 
 
-@pytest.mark.parametrize("between", [None, "clip_grad_norm"])
-def test_compiled_step_updates_the_embedding_from_its_rows_as_torch_optim(between):
+@pytest.mark.parametrize("between,dynamic", [(None, False), (None, True), ("clip_grad_norm", False)],
+                         ids=["update", "dynamic-length", "clip_grad_norm"])  # fmt: skip
+def test_compiled_step_updates_the_embedding_from_its_rows_as_torch_optim(between, dynamic):
     from torch._inductor.utils import run_and_get_code
 
     vocabulary, width, lr, steps = 97, 24, 1e-2, 4
@@ -80,11 +81,13 @@ def test_compiled_step_updates_the_embedding_from_its_rows_as_torch_optim(betwee
     model = _TokenModel(vocabulary, width)
     reference = twin(model)
     clip = (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)) if between else None
-    step = torch.compile(_step(model, forge_compile.optim.AdamW(model.parameters(), lr=lr), clip), backend="forge")
+    step = torch.compile(_step(model, forge_compile.optim.AdamW(model.parameters(), lr=lr), clip), backend="forge",
+                         dynamic=dynamic)  # fmt: skip
     reference_step = _step(reference, torch.optim.AdamW(reference.parameters(), lr=lr), clip)
     generator = torch.Generator().manual_seed(1)
     for i in range(steps):
-        tokens = torch.randint(0, 30, (4, 9), generator=generator)  # rows 30-96 never read: decay only
+        length = 9 - 2 * (i % 2) if dynamic else 9  # one graph for every length: the token count is a symbol
+        tokens = torch.randint(0, 30, (4, length), generator=generator)  # rows 30-96 never read: decay only
         tokens[0, :3] = 0  # padding
         tokens[1, :4] = 11  # one row read four times
         if i == 0:

@@ -126,18 +126,20 @@ def test_stochastic_rounding_eager_step_matches_compiled():
             optimizer.step()
             optimizer.zero_grad()
 
-        run = torch.compile(step, backend="forge") if compiled else step
+        run = torch.compile(step, backend="forge", dynamic=dynamic) if compiled else step
         for _ in range(4):
             run(x)
         weights.append(layer.weight.detach().clone())
     assert torch.equal(weights[0], weights[1])
 
 
-def test_stochastic_rounding_of_unfused_parameters_matches_the_eager_step():
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_stochastic_rounding_of_unfused_parameters_matches_the_eager_step(dynamic):
     """A bias is not fused: its compiled update is the rule decomposed for Inductor, with
     the seed read from a buffer of the compiled graph. It must draw the eager op's bits,
     for each of two same-shaped biases with seeds of their own. The gradients (sums of
-    small integers) are exact in bf16, as in the test above."""
+    small integers) are exact in bf16, as in the test above. Under ``dynamic=True`` Dynamo
+    passes seeds and the rule's switches as graph inputs, not constants."""
     x = torch.randint(-1, 2, (5, 32)).to(torch.bfloat16)
     c = torch.randint(-1, 2, (5, 32)).float()
     results = []
@@ -154,7 +156,7 @@ def test_stochastic_rounding_of_unfused_parameters_matches_the_eager_step():
             optimizer.step()
             optimizer.zero_grad()
 
-        run = torch.compile(step, backend="forge") if compiled else step
+        run = torch.compile(step, backend="forge", dynamic=dynamic) if compiled else step
         for _ in range(4):
             run(x)
         results.append([p.detach().clone() for p in layers.parameters()])
@@ -389,7 +391,7 @@ def test_int8_states_of_an_unfused_embedding_compile_to_the_same_step():
             optimizer.step()
             optimizer.zero_grad()
 
-        run = torch.compile(step, backend="forge") if compiled else step
+        run = torch.compile(step, backend="forge", dynamic=dynamic) if compiled else step
         torch.manual_seed(1)
         for _ in range(3):
             run(torch.randint(0, 300, (4, 7)))
