@@ -118,3 +118,27 @@ def test_results_of_each_card_go_to_their_own_file(gpu, expected, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu is not None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: gpu)
     assert for_this_card("step") == expected
+
+
+def test_peak_composition_replays_an_allocator_trace():
+    """benchmarks/peak_composition.py's replay on a hand-written trace: the peak is the
+    largest live sum (not the last or the largest block), frees of blocks from before the
+    trace are ignored, and allocations from one line are summed."""
+    from benchmarks.peak_composition import composition, peak_of
+
+    kernel = [{"filename": "/tmp/torchinductor_x/ab/cab.py", "line": 7, "name": "call"}]
+    loss = [{"filename": "/site-packages/transformers/loss.py", "line": 3, "name": "f"}]
+
+    def alloc(addr, size, frames):
+        return {"action": "alloc", "addr": addr, "size": size, "frames": frames}
+
+    def free(addr):
+        return {"action": "free_completed", "addr": addr, "size": 0, "frames": []}
+
+    trace = [alloc(1, 100, kernel), free(99), alloc(2, 50, kernel), alloc(3, 30, loss), free(1),
+             alloc(4, 60, loss), free(2), free(3), free(4), alloc(5, 170, loss)]  # fmt: skip
+    best, alive = peak_of(trace)
+    assert best == 180 and set(alive) == {1, 2, 3}
+    rows = composition(alive, top=5)
+    assert [(row["bytes"], row["allocations"]) for row in rows] == [(150, 2), (30, 1)]
+    assert rows[0]["source"].startswith("cab.py:7") and rows[1]["source"].endswith("loss.py:3")
