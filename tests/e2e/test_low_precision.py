@@ -126,7 +126,7 @@ def test_stochastic_rounding_eager_step_matches_compiled():
             optimizer.step()
             optimizer.zero_grad()
 
-        run = torch.compile(step, backend="forge", dynamic=dynamic) if compiled else step
+        run = torch.compile(step, backend="forge") if compiled else step
         for _ in range(4):
             run(x)
         weights.append(layer.weight.detach().clone())
@@ -391,7 +391,7 @@ def test_int8_states_of_an_unfused_embedding_compile_to_the_same_step():
             optimizer.step()
             optimizer.zero_grad()
 
-        run = torch.compile(step, backend="forge", dynamic=dynamic) if compiled else step
+        run = torch.compile(step, backend="forge") if compiled else step
         torch.manual_seed(1)
         for _ in range(3):
             run(torch.randint(0, 300, (4, 7)))
