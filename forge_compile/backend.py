@@ -76,7 +76,8 @@ def _source_hash() -> str:
 
 def _forge_decompositions():
     """Inductor's decompositions with an embedding's gradient traced by rows (decompositions.py),
-    for this compilation only."""
+    for this compilation only. The patch is process-wide while it lasts; Dynamo runs one
+    compilation at a time (its compile lock), so a backend="inductor" graph never sees it."""
     import torch._inductor.compile_fx
 
     return unittest.mock.patch.object(torch._inductor.compile_fx, "select_decomp_table",

@@ -21,6 +21,8 @@ returned ``.grad``) makes Inductor store it, in the weight's dtype rather than f
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 from torch._decomp import decompositions as torch_decompositions
@@ -42,7 +44,7 @@ def embedding_dense_backward_by_rows(grad_output: Tensor, indices: Tensor, num_w
     width = grad_output.shape[indices.ndim :]
     tokens = indices.numel()
     token_rows = indices.reshape(-1).to(torch.long)
-    gradients = grad_output.reshape(tokens, -1).to(computation_dtype)
+    gradients = grad_output.reshape(tokens, math.prod(width)).to(computation_dtype)  # not -1: tokens may be 0
     counted = (token_rows >= 0) & (token_rows < num_weights) & (token_rows != padding_idx)
     row = torch.where(counted, token_rows, 0)
     position = torch.arange(tokens, device=indices.device, dtype=torch.long)
