@@ -78,10 +78,15 @@ def _step(model, optimizer, between=None):
     return train_step
 
 
-@pytest.mark.parametrize("between,dynamic,dtype", [(None, False, torch.float32), (None, True, torch.float32),
-                                                   ("clip_grad_norm", False, torch.float32), (None, False, torch.bfloat16)],
-                         ids=["update", "dynamic-length", "clip_grad_norm", "bf16"])  # fmt: skip
-def test_compiled_step_updates_the_embedding_from_its_rows_as_torch_optim(between, dynamic, dtype):
+_ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("between,dynamic,dtype,device", [
+    (None, False, torch.float32, "cpu"), (None, True, torch.float32, "cpu"),
+    ("clip_grad_norm", False, torch.float32, "cpu"), (None, False, torch.bfloat16, "cpu"),
+    pytest.param(None, False, torch.bfloat16, "cuda", marks=_ON_CUDA),
+], ids=["update", "dynamic-length", "clip_grad_norm", "bf16", "bf16-cuda"])  # fmt: skip
+def test_compiled_step_updates_the_embedding_from_its_rows_as_torch_optim(between, dynamic, dtype, device):
     """bf16 weights (rounded to nearest, as torch does) against torch.optim on an fp32 twin:
     within a few bf16 steps of it, and the generated code stores no [vocabulary, width]
     gradient of any dtype."""
@@ -89,7 +94,7 @@ def test_compiled_step_updates_the_embedding_from_its_rows_as_torch_optim(betwee
 
     vocabulary, width, lr, steps = 97, 24, 1e-2, 4
     torch.manual_seed(0)
-    model = _TokenModel(vocabulary, width)
+    model = _TokenModel(vocabulary, width).to(device)
     reference = twin(model)
     model.to(dtype)
     clip = (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)) if between else None
@@ -103,6 +108,7 @@ def test_compiled_step_updates_the_embedding_from_its_rows_as_torch_optim(betwee
         tokens[0, 0] = 50  # a row read by the first token alone: its slot is slot 0
         tokens[0, 1:3] = 0  # padding
         tokens[1, :4] = 11  # one row read four times
+        tokens = tokens.to(device)
         if i == 0:
             _, code = run_and_get_code(step, tokens)
             source = "\n".join(code)
