@@ -333,7 +333,7 @@ _OP_HINTS = {
 }
 
 
-def _op_name(node) -> str:
+def _op_name(node: Node | torch._ops.OpOverload) -> str:
     """The short name of a node's op, or of an op overload itself."""
     target = node.target if isinstance(node, Node) else node
     name = target.__name__.split(".")[0] if hasattr(target, "__name__") else str(target)
