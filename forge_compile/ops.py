@@ -125,7 +125,7 @@ def quantize_state(values: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
     return codes[:, : rows.shape[1]].to(code_dtype(signed)).reshape(values.shape), scales
 
 
-SEED_ELEMENTS = 16
+_SEED_ELEMENTS = 16
 
 
 def rounding_seed_tensor(seed: int, device: torch.device) -> Tensor:
@@ -135,9 +135,9 @@ def rounding_seed_tensor(seed: int, device: torch.device) -> Tensor:
     the compiled graph. Inductor writes a 0-d constant, or one of at most 8 elements, into
     the code that reads it: as an int, the seed made each parameter's update code differ
     from every other's, so no two same-shaped parameters could share a generated kernel.
-    A constant of ``SEED_ELEMENTS`` elements it keeps as a buffer, read at run time.
+    A constant of ``_SEED_ELEMENTS`` elements it keeps as a buffer, read at run time.
     """
-    return torch.full((SEED_ELEMENTS,), seed, dtype=torch.int64, device=device)
+    return torch.full((_SEED_ELEMENTS,), seed, dtype=torch.int64, device=device)
 
 
 def _round_stochastically(values: Tensor, step: Tensor, seed: int | Tensor, first_row: int) -> Tensor:

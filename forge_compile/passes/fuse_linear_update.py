@@ -656,11 +656,11 @@ def _rounding_seed_constant(graph: fx.Graph, before: Node, seed: int | Node, dev
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     if isinstance(seed, Node):
-        with graph.inserting_before(before):
-            node = graph.call_function(aten.full.default, ([ops.SEED_ELEMENTS], seed),
-                                       {"dtype": torch.int64, "device": device})  # fmt: skip
         with fake_mode:
-            node.meta["val"] = torch.full((ops.SEED_ELEMENTS,), seed.meta["val"], dtype=torch.int64, device=device)
+            val = ops.rounding_seed_tensor(seed.meta["val"], device)
+        with graph.inserting_before(before):
+            node = graph.call_function(aten.full.default, (list(val.shape), seed), {"dtype": val.dtype, "device": device})
+        node.meta["val"] = val
         return node
     module = graph.owning_module
     if module is None:
