@@ -527,9 +527,37 @@ def step_section(name: str = "step") -> list[str]:
     return lines
 
 
+def capacity_section(name: str) -> list[str]:
+    """The largest micro-batch per model and mode (results/capacity[_card].json)."""
+    data = _result(name)
+    if data is None:
+        return []
+    cases = data["cases"]
+    env = cases[0]["environment"]
+    lines = [
+        f"**Capacity** ({env['gpu']}, torch {env['torch']}, triton {env['triton']}; `python benchmarks/capacity.py`, "
+        f"raw data `benchmarks/results/{name}.json`). The largest micro-batch of bf16 weights and AdamW states that "
+        "trains, each mode in its own process: doubling from 2, then bisection; a size fits when two steps run.",
+        "",
+        "| model | seq | mode | largest micro-batch | its peak | sizes tried | measured (UTC) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        if c.get("status") != "ok":
+            lines.append(f"| {c['model']} | {c['seq']} | {STEP_MODES[c['mode']]} | {c['status']} | | | |")
+            continue
+        fitting = [t for t in c["trials"] if t["fits"] and t["batch"] == c["largest_micro_batch"]]
+        tried = ", ".join(f"{t['batch']}{'' if t['fits'] else ' (out of memory)'}" for t in c["trials"])
+        lines.append(f"| {c['model']} | {c['seq']} | {STEP_MODES[c['mode']]} | {c['largest_micro_batch']} | "
+                     f"{_gib(fitting[0]['peak_bytes']) if fitting else 'n/a'} | {tried} | "
+                     f"{c['environment']['date'][:16].replace('T', ' ')} |")  # fmt: skip
+    return lines
+
+
 def render() -> str:
     sections = [hf_llama_section(), memory_section(), recompute_section(), every_rule_section(), mixed_models_section(), convergence_section(),
-                quantization_section(), step_section(), step_section("step_h100"), cudagraphs_section(), compile_time_section(),
+                quantization_section(), step_section(), step_section("step_h100"), capacity_section("capacity"),
+                capacity_section("capacity_h100"), cudagraphs_section(), compile_time_section(),
                 warp_specialized_section(), kernel_configs_section(),
                 kernel_anatomy_section(),
                 kernel_section(), kernel_section("kernel_h100")]  # fmt: skip
@@ -594,6 +622,11 @@ def h200_summary() -> dict:
             if name in conv:
                 summary[f"convergence_{name}_mean_abs_gap_smoothed"] = conv[name]["mean_abs_gap_smoothed"]
         summary["sources"].append({"file": "benchmarks/results/convergence.json"})
+    capacity = _result("capacity")
+    if capacity:
+        summary["largest_micro_batch_seq1024"] = {f"{c['model']} {c['mode']}": c["largest_micro_batch"]
+                                                  for c in capacity["cases"] if c.get("status") == "ok"}  # fmt: skip
+        summary["sources"].append({"file": "benchmarks/results/capacity.json"})
     summary["not_measured"] = [key for key in wanted if key not in summary]
     # Later runs on the device's other card (an H100), where no H200 was lent: the same
     # figures of the same benchmarks, not comparable with the H200's.

@@ -142,3 +142,32 @@ def test_peak_composition_replays_an_allocator_trace():
     rows = composition(alive, top=5)
     assert [(row["bytes"], row["allocations"]) for row in rows] == [(150, 2), (30, 1)]
     assert rows[0]["source"].startswith("cab.py:7") and rows[1]["source"].endswith("loss.py:3")
+
+
+def test_capacity_search_finds_the_largest_fitting_micro_batch():
+    """Doubling from 2, then bisection; every size tried is recorded in order."""
+    from benchmarks.capacity import largest_fitting
+
+    for limit, max_batch in [(11, 256), (2, 256), (1, 256), (0, 256), (256, 256), (40, 33), (100, 1)]:
+        tried = []
+
+        def fits(batch, limit=limit):
+            tried.append(batch)
+            return batch <= limit
+
+        assert largest_fitting(fits, max_batch) == min(limit, max_batch), (limit, max_batch, tried)
+        assert len(tried) == len(set(tried)) and len(tried) <= 2 * max_batch.bit_length() + 1, tried
+    tried = []
+    largest_fitting(lambda b: tried.append(b) or b <= 11, 256)
+    assert tried == [2, 4, 8, 16, 12, 10, 11]
+
+
+@pytest.mark.parametrize("mode", ["eager_fused", "forge"])
+def test_capacity_worker_trains_a_tiny_llama_at_each_size(mode):
+    """On the CPU nothing runs out of memory: the search climbs to the cap, and forge's step,
+    compiled with a dynamic batch, trains at every size."""
+    from benchmarks import capacity
+
+    result = capacity.worker("tiny-llama", mode, seq=8, max_batch=5, device="cpu")
+    assert result["largest_micro_batch"] == 5, result
+    assert [t["batch"] for t in result["trials"]] == [2, 4, 5] and all(t["fits"] for t in result["trials"])

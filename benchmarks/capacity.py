@@ -1,0 +1,154 @@
+"""The largest micro-batch that trains on one GPU: forge against the standard paths.
+
+For a model of ``benchmarks/step.py`` (bf16 weights and states) at one sequence length,
+each mode runs in its own process and searches the micro-batch: doubling from 2 until a
+step runs out of memory, then bisecting between the last size that trained and the first
+that did not (batch 1 is tried only when 2 does not fit). A size fits when two steps run,
+the second with everything the first left behind (optimizer states, workspaces).
+
+The batch dimension is marked dynamic, so a compiled mode compiles its step once for all
+sizes from 2 up; and forge runs with ``FORGE_AUTOTUNE=0``: tuning a new token count clones
+each weight and its states for the trials, a one-off that a tuned, cached shape never
+pays and that would otherwise decide the search. A step that runs out of memory leaves
+the weights partly updated, which changes no later size's memory; its gradients are
+dropped before the next size.
+
+    PYTHONPATH=. python benchmarks/capacity.py --models llama-8b --modes eager_fused,forge
+    PYTHONPATH=. python benchmarks/capacity.py --models qwen3-14b --modes eager_fused,forge
+
+writes results/capacity[_card].json: per model and mode the largest micro-batch, every
+size tried (fits or not, peak memory, seconds) and the card's memory. A case already in
+the file is not measured again unless ``--redo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import step  # noqa: E402
+from benchmarks.utils import RESULTS, environment, for_this_card, run_in_subprocess  # noqa: E402
+
+MODES = ("eager_fused", "hooks", "inductor", "forge", "forge_int8")
+
+
+def largest_fitting(fits: Callable[[int], bool], max_batch: int) -> int:
+    """The largest size in [1, max_batch] for which ``fits`` holds, assuming that a size
+    fits when a larger one does: 2, 4, 8, ... until one does not fit, then bisection.
+    0 when not even 1 fits."""
+    if not fits(min(2, max_batch)):
+        return 1 if max_batch >= 2 and fits(1) else 0
+    fitting, failing = min(2, max_batch), None
+    while failing is None and fitting < max_batch:
+        candidate = min(2 * fitting, max_batch)
+        if fits(candidate):
+            fitting = candidate
+        else:
+            failing = candidate
+    while failing is not None and failing - fitting > 1:
+        middle = (fitting + failing) // 2
+        if fits(middle):
+            fitting = middle
+        else:
+            failing = middle
+    return fitting
+
+
+def worker(model_name: str, mode: str, seq: int, max_batch: int, device: str = "cuda") -> dict:
+    device = torch.device(device)
+    result = {"model": model_name, "mode": mode, "seq": seq, "device": device.type}
+    if device.type == "cuda":
+        result["card_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    model, config = step.build(model_name, device)
+    result["parameters"] = sum(p.numel() for p in model.parameters())
+    train = step.optimizer_step(model, mode)
+    generator = torch.Generator(device=device).manual_seed(0)
+    trials = []
+
+    def fits(batch: int) -> bool:
+        tokens = torch.randint(0, config.vocab_size, (batch, seq), device=device, generator=generator)
+        if batch > 1:  # one compiled step for every size from 2 up
+            torch._dynamo.mark_dynamic(tokens, 0)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        try:
+            for _ in range(2):
+                train(tokens)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        except torch.OutOfMemoryError as error:
+            trials.append({"batch": batch, "fits": False, "error": str(error).splitlines()[0][:300]})
+            del tokens, error
+            for p in model.parameters():  # a backward cut short leaves gradients behind
+                p.grad = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            return False
+        trials.append({"batch": batch, "fits": True, "seconds": time.perf_counter() - start,
+                       "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None})  # fmt: skip
+        print(json.dumps(trials[-1]), file=sys.stderr, flush=True)
+        return True
+
+    result["largest_micro_batch"] = largest_fitting(fits, max_batch)
+    result["trials"] = trials
+    result["status"] = "ok"
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="llama-8b")
+    parser.add_argument("--modes", default="eager_fused,forge")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--max-batch", type=int, default=256)
+    parser.add_argument("--timeout", type=float, default=560, help="seconds per case")
+    parser.add_argument("--device", default="cuda", help="cpu runs the tiny-llama smoke test")
+    parser.add_argument("--redo", action="store_true", help="measure cases already in the results file again")
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(*args.worker, args.seq, args.max_batch, args.device)))
+        return 0
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
+    result_name = for_this_card("capacity")
+    path = RESULTS / f"{result_name}.json"
+    previous = json.loads(path.read_text()) if path.exists() else {"cases": []}
+    cases = [(model, mode, args.seq) for model in args.models.split(",") for mode in args.modes.split(",")]
+    key = lambda c: (c["model"], c["mode"], c["seq"])  # noqa: E731
+    if args.redo:
+        previous["cases"] = [c for c in previous["cases"] if key(c) not in set(cases)]
+    done = {key(c) for c in previous["cases"]}
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the progress bar is optional
+        tqdm = lambda x, **_: x  # noqa: E731
+    os.environ["FORGE_AUTOTUNE"] = "0"  # for the workers: see the module docstring
+    for model, mode, seq in tqdm([c for c in cases if c not in done], desc="capacity", file=sys.stdout):
+        try:
+            result = run_in_subprocess("benchmarks.capacity", ["--worker", model, mode, "--seq", str(seq),
+                                                               "--max-batch", str(args.max_batch),
+                                                               "--device", args.device], timeout=args.timeout)  # fmt: skip
+        except Exception as error:  # a crash or a timeout: recorded, the other cases go on
+            result = {"model": model, "mode": mode, "seq": seq, "status": "failed", "error": str(error)[-2000:]}
+        result["environment"] = environment()
+        previous["cases"].append(result)
+        for folder in [path.parent] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
+            (folder / f"{result_name}.json").write_text(json.dumps(previous, indent=1))
+        print(json.dumps({k: result.get(k) for k in ("model", "mode", "status", "largest_micro_batch")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
