@@ -43,6 +43,15 @@ GPU_TILES = [(128, 128, 64, 16, 4, None), (64, 128, 64, 8, 4, 128), (128, 128, 6
 """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, registers a thread or None: ptxas's choice) of
 the GPU's candidates, the first the untuned default; see _configs."""
 EPILOGUE_SPLITS = [2]
+EIGHT_BIT_STATE_TILES = [(64, 128, 64, 4, 4, None)]
+"""Candidates for 8-bit states alone (rule on column halves), beside GPU_TILES. Decoding and
+re-encoding two moments needs more registers than GPU_TILES leave: for AdamW with stochastic
+rounding, ptxas (sm_90, benchmarks/kernel_sass.py's compile) gives 64x128x64 w8 capped at 128
+registers a 248-byte spill stack (57 spill loads, 56 stores in the SASS) and 128x128x64 w16
+256 bytes; uncapped, 64x128x64 w8 takes 222 registers and 128x128x64 w8 254, one program an
+SM. 64x128x64 with 4 warps takes 254 registers without spilling and two programs fit an SM
+(192 KiB of shared memory). Chosen for that fit; the first step's tuning times it against
+the others on the GPU at hand."""
 GIVEN_GRADIENT_TILES = [(4, 256, 16, 4, 1, None), (8, 256, 16, 8, 1, None), (8, 256, 16, 4, 1, None)]
 """The same, for the chunked path's kernel (``GRADIENT_GIVEN``: the rule on an fp32 gradient
 block cuBLAS wrote, no matmul; BLOCK_K unused, one stage). Eight or sixteen elements a
@@ -85,8 +94,16 @@ def _configs():
     # (results/kernel_configs_quarters.json).
     shapes, splits, given = GPU_TILES, EPILOGUE_SPLITS, GIVEN_GRADIENT_TILES
     if not config.autotune:
-        shapes, splits, given = shapes[:1], splits[:1], given[:1]
-    return [tile_config(tile, split) for tile in shapes for split in splits] + [tile_config(t, 1) for t in given]
+        return [tile_config(shapes[0], splits[0]), tile_config(given[0], 1)]
+    return ([tile_config(tile, split) for tile in shapes for split in splits] + [tile_config(t, 1) for t in given]
+            + [tile_config(t, 2) for t in EIGHT_BIT_STATE_TILES])  # fmt: skip
+
+
+def _for_eight_bit_states_only(kernel_config: triton.Config) -> bool:
+    """Whether a candidate is one of EIGHT_BIT_STATE_TILES."""
+    k = kernel_config.kwargs
+    shape = (k["BLOCK_M"], k["BLOCK_N"], k["BLOCK_K"], kernel_config.num_warps, kernel_config.num_stages)
+    return any(shape == tile[:5] for tile in EIGHT_BIT_STATE_TILES)
 
 
 def _reads_given_gradient(kernel_config: triton.Config) -> bool:
@@ -107,6 +124,8 @@ def _configs_for_format(configs, named_args, **kwargs):
     interpreter, the smallest. A single config (:func:`only_config`) is used as given."""
     if len(configs) > 1 and not _INTERPRETING:
         configs = [c for c in configs if _reads_given_gradient(c) == bool(kwargs.get("GRADIENT_GIVEN"))]
+        if not kwargs.get("QUANTIZED"):
+            configs = [c for c in configs if not _for_eight_bit_states_only(c)]
     if kwargs.get("QUANTIZED"):
         return [c for c in configs if c.kwargs["BLOCK_N"] % (storage.QUANT_BLOCK * c.kwargs["EPILOGUE_SPLIT"]) == 0]
     return configs[:1] if _INTERPRETING else configs

@@ -93,16 +93,29 @@ def _split_epilogue_tiles():
         num_warps=4 if ON_GPU else 1))  # fmt: skip
 
 
+def _eight_bit_candidate_tiles():
+    """The first of the autotuner's candidates for 8-bit states alone (EIGHT_BIT_STATE_TILES)."""
+    from forge_compile.kernels import linear_update
+
+    return linear_update.only_config(linear_update.tile_config(linear_update.EIGHT_BIT_STATE_TILES[0], 2))
+
+
+_TILES = {"tuned": contextlib.nullcontext, "split-epilogue": _split_epilogue_tiles,
+          "eight-bit-candidate": _eight_bit_candidate_tiles}  # fmt: skip
+
+
 @pytest.mark.parametrize("operand_dtype", OPERANDS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("options", OPTIONS)
-@pytest.mark.parametrize("tiles", ["tuned", "split-epilogue"])
+@pytest.mark.parametrize("tiles", ["tuned", "split-epilogue",
+                                   pytest.param("eight-bit-candidate", marks=pytest.mark.skipif(
+                                       not ON_GPU, reason="a GPU candidate: 64x128x64 tiles, slow in the interpreter"))])  # fmt: skip
 def test_bf16_weights_and_int8_states_against_float64(operand_dtype, shape, options, tiles):
     n_states = 3 if options[1] else 2
     (weight, grad_output_t, input), states, signed = _problem(shape, operand_dtype, torch.bfloat16, n_states)
     ref_weight, ref_states = _reference(weight.cpu(), grad_output_t.cpu(), input.cpu(),
                                         [s.cpu() for s in states], options, signed)  # fmt: skip
-    with _split_epilogue_tiles() if tiles == "split-epilogue" else contextlib.nullcontext():
+    with _TILES[tiles]():
         _run("triton", weight, grad_output_t, input, states, options, seed=1234)
     # The weight: a bf16 neighbour of the float64 result (fp32 math adds a few fp32 ULPs).
     w = weight.cpu().double()
