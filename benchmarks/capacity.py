@@ -80,15 +80,17 @@ def worker(model_name: str, mode: str, seq: int, max_batch: int, device: str = "
             torch._dynamo.mark_dynamic(tokens, 0)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
+        start, failure = time.perf_counter(), None
         try:
             for _ in range(2):
                 train(tokens)
             if device.type == "cuda":
                 torch.cuda.synchronize()
         except torch.OutOfMemoryError as error:
-            trials.append({"batch": batch, "fits": False, "error": str(error).splitlines()[0][:300]})
-            del tokens, error
+            failure = str(error).splitlines()[0][:300]
+        if failure is not None:  # outside the except block, whose traceback holds the step's tensors
+            trials.append({"batch": batch, "fits": False, "error": failure})
+            del tokens
             for p in model.parameters():  # a backward cut short leaves gradients behind
                 p.grad = None
             gc.collect()

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import step
 
@@ -171,3 +172,31 @@ def test_capacity_worker_trains_a_tiny_llama_at_each_size(mode):
     result = capacity.worker("tiny-llama", mode, seq=8, max_batch=5, device="cpu")
     assert result["largest_micro_batch"] == 5, result
     assert [t["batch"] for t in result["trials"]] == [2, 4, 5] and all(t["fits"] for t in result["trials"])
+
+
+def test_capacity_worker_recovers_from_a_step_that_runs_out_of_memory(monkeypatch):
+    """A step that fails past 3 sequences after its backward (gradients written): the search
+    records the failures, drops the gradients they left and settles on 3."""
+    from benchmarks import capacity
+
+    real = step.optimizer_step
+    clean_at_start = []
+
+    def failing_past_three(model, mode):
+        train = real(model, mode)
+
+        def run(tokens):
+            clean_at_start.append(all(p.grad is None for p in model.parameters()))
+            if tokens.shape[0] > 3:
+                model(input_ids=tokens, labels=tokens).loss.backward()
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return train(tokens)
+
+        return run
+
+    monkeypatch.setattr(step, "optimizer_step", failing_past_three)
+    result = capacity.worker("tiny-llama", "eager_fused", seq=8, max_batch=64, device="cpu")
+    assert result["largest_micro_batch"] == 3, result
+    assert [(t["batch"], t["fits"]) for t in result["trials"]] == [(2, True), (4, False), (3, True)]
+    assert "simulated" in result["trials"][1]["error"]
+    assert clean_at_start == [True] * 5, clean_at_start  # 2 twice, 4 once (it fails), 3 twice
