@@ -18,12 +18,13 @@ recompile) and its static switches as ``options`` ints.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import rules
+from . import dtensor, rules
 from .rules import storage
 from .config import config
 
@@ -64,12 +65,19 @@ def apply_rule(
         *[step.new_zeros((), dtype=torch.float64)] * (rules.MAX_HYPERPARAMETERS - len(hyperparameters)),
     )
     coefficients = [c.to(compute) for c in coefficients]
-    param_c = param.to(compute)
+    param_c, grad_c = param.to(compute), grad.to(compute)
     active = rule.active_states(tuple(options))
     signed = rule.signed_active_states(tuple(options))
     if quantized_states:
+        # The rule runs on whole 64-element blocks (each row padded with zeros, which every
+        # rule keeps zero), so that every value Inductor computes has the blocks' shape.
+        # Computed at the parameter's width and padded only to quantize, the new states of
+        # a width that is not a multiple of 64 came out of Inductor's C++ backend (torch
+        # 2.13) with the last partial block of each row never computed: its scale then read
+        # uninitialized memory, and the weights went NaN a step later.
+        param_c, grad_c = _whole_blocks(param_c), _whole_blocks(grad_c)
         codes, scales = states[: len(signed)], states[len(signed) :]
-        values = [dequantize_state(c, a, is_signed) for c, a, is_signed in zip(codes, scales, signed)]
+        values = [_dequantize_whole_blocks(c, a, is_signed) for c, a, is_signed in zip(codes, scales, signed)]
     else:
         values = [s.to(compute) for s in states]
     slots, given = [], iter(values)
@@ -77,16 +85,17 @@ def apply_rule(
         slots.append(next(given) if is_active else param_c)
     slots += [param_c] * (rules.MAX_STATES - len(slots))
     out = rule.torch_elementwise(
-        param_c, grad.to(compute), *slots, *coefficients, *options,
+        param_c, grad_c, *slots, *coefficients, *options,
         *[0] * (rules.MAX_OPTIONS - len(options)),
     )  # fmt: skip
     new_values = [s for s, is_active in zip(out[1:], active) if is_active]
+    new_param = out[0]
     if quantized_states:
-        stored = [quantize_state(v, is_signed) for v, is_signed in zip(new_values, signed)]
-        new_states = [c for c, _ in stored] + [a for _, a in stored]
+        stored = [_quantize_whole_blocks(v, is_signed) for v, is_signed in zip(new_values, signed)]
+        new_states = [_from_whole_blocks(c, param.shape) for c, _ in stored] + [a for _, a in stored]
+        new_param = _from_whole_blocks(new_param, param.shape)
     else:
         new_states = [v.to(s.dtype) for v, s in zip(new_values, states)]
-    new_param = out[0]
     if rounding_seed is not None and param.dtype == torch.bfloat16:
         new_param = _round_stochastically(new_param, step, rounding_seed, first_row)
     return new_param.to(param.dtype), new_states
@@ -101,13 +110,41 @@ def _padded_columns(columns: int) -> int:
     return -(-columns // storage.QUANT_BLOCK) * storage.QUANT_BLOCK
 
 
+def _whole_blocks(t: Tensor) -> Tensor:
+    """``t`` as [rows, columns] (:func:`_as_rows`), each row padded with zeros to whole 8-bit blocks."""
+    rows = _as_rows(t)
+    padding = _padded_columns(rows.shape[1]) - rows.shape[1]
+    return torch.nn.functional.pad(rows, (0, padding)) if padding else rows
+
+
+def _from_whole_blocks(rows: Tensor, shape: torch.Size) -> Tensor:
+    """The inverse of :func:`_whole_blocks` for a tensor of ``shape``: the row padding cut off.
+
+    A padded result is stored first (:func:`_stored_as_computed`), so that whatever copies
+    it into a tensor of ``shape`` only reads it. A copy that computed it instead would
+    carry the blocks' ``column // 64`` in its indices over the unpadded width, and
+    Inductor's C++ backend (torch 2.13) splits such a loop into ``width // 64`` whole
+    blocks, dropping the rest: the last partial block of each row was never written."""
+    columns = math.prod(shape[1:])
+    if rows.shape[1] != columns:
+        rows = _stored_as_computed(rows)[:, :columns]
+    return rows.reshape(shape)
+
+
+def _stored_as_computed(t: Tensor) -> Tensor:
+    """``t``, which Inductor stores in the shape computed here (its ``as_strided`` lowering needs
+    its input in memory) rather than computing it inside each reader."""
+    return t if dtensor.is_dtensor(t) else t.as_strided(t.shape, t.stride())  # DTensor has no as_strided
+
+
 def dequantize_state(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
     """An 8-bit state's values (fp32, the codes' shape) from its codes and [rows, blocks] scales."""
-    rows = _as_rows(codes)
-    padding = _padded_columns(rows.shape[1]) - rows.shape[1]
-    padded = torch.nn.functional.pad(rows.to(torch.float32), (0, padding))
-    values = _torch_storage("dequantize_blocks")(padded, scales, *padded.shape, storage.QUANT_BLOCK, signed)
-    return values[:, : rows.shape[1]].reshape(codes.shape)
+    return _from_whole_blocks(_dequantize_whole_blocks(codes, scales, signed), codes.shape)
+
+
+def _dequantize_whole_blocks(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
+    padded = _whole_blocks(codes.to(torch.float32))
+    return _torch_storage("dequantize_blocks")(padded, scales, *padded.shape, storage.QUANT_BLOCK, signed)
 
 
 def code_dtype(signed: bool) -> torch.dtype:
@@ -118,11 +155,26 @@ def code_dtype(signed: bool) -> torch.dtype:
 def quantize_state(values: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
     """(codes shaped like ``values``, [rows, blocks] fp32 scales): the 8-bit storage of a
     state (:mod:`forge_compile.rules.storage`)."""
-    rows = _as_rows(values)
-    padding = _padded_columns(rows.shape[1]) - rows.shape[1]
-    padded = torch.nn.functional.pad(rows.to(torch.float32), (0, padding))
-    codes, scales = _torch_storage("quantize_blocks")(padded, *padded.shape, storage.QUANT_BLOCK, signed)
-    return codes[:, : rows.shape[1]].to(code_dtype(signed)).reshape(values.shape), scales
+    codes, scales = _quantize_whole_blocks(_whole_blocks(values.to(torch.float32)), signed)
+    return _from_whole_blocks(codes, values.shape), scales
+
+
+def _quantize_whole_blocks(values: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
+    """[rows, whole blocks] fp32 ``values`` -> (codes of the same shape, [rows, blocks] scales).
+
+    The codes are computed as a [rows, blocks, 64] tensor and stored as such
+    (:func:`_stored_as_computed`). Each code reads its block's scale, a reduction over the
+    block; computed in the [rows, columns] shape of the state they are copied into, a
+    code reads it at ``row * blocks + column // 64``, which Inductor's scheduler does not
+    match with the index the reduction writes (its block), so the codes went to a kernel
+    after the reduction's and the state's new fp32 values were stored whole between them:
+    for Llama-3.1-8B's 128256 x 4096 embedding, two buffers of 2.0 GiB each at the end of
+    the backward (the generated code for the GPU; one block a row, 64 columns, matched
+    and fused). In the blocks' shape they share the reduction's index: one kernel computes
+    the new values, their scales and codes, and stores only the codes."""
+    codes, scales = _torch_storage("quantize_blocks")(values, *values.shape, storage.QUANT_BLOCK, signed)
+    blocks = codes.reshape(codes.shape[0], -1, storage.QUANT_BLOCK).to(code_dtype(signed))
+    return _stored_as_computed(blocks).reshape(codes.shape), scales
 
 
 _SEED_ELEMENTS = 16

@@ -8,6 +8,7 @@ holds the Triton kernel to the same bits.
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -376,14 +377,25 @@ def test_bf16_model_trains_without_an_fp32_copy():
     assert abs(losses[torch.bfloat16][-1] - losses[torch.float32][-1]) < 0.05 * losses[torch.float32][0]
 
 
-def test_int8_states_of_an_unfused_embedding_compile_to_the_same_step():
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device,width", [
+    ("cpu", 64), ("cpu", 200), pytest.param("cuda", 256, marks=_CUDA), pytest.param("cuda", 200, marks=_CUDA),
+], ids=["cpu-one-block-rows", "cpu-padded-rows", "cuda", "cuda-padded-rows"])  # fmt: skip
+def test_int8_states_of_an_unfused_embedding_compile_to_the_same_step(device, width):
     """An embedding's update is not fused: Inductor compiles the rule with the 8-bit codes.
-    Its result equals forge's eager rule step up to fp32 reassociation (a code at most 1 off)."""
-    results = []
+    Its result equals forge's eager rule step up to fp32 reassociation (a code at most 1 off),
+    also in the last, partial block of a row that is not whole blocks wide. On the GPU the
+    new fp32 states are never stored at the weight's shape (ops._quantize_whole_blocks);
+    a width that is not whole blocks stores the new weight padded, once (ops._from_whole_blocks)."""
+    from torch._inductor.utils import run_and_get_code
+
+    vocabulary, results = 300, []
     for compiled in (True, False):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(300, 64), nn.Linear(64, 64))
+        model = nn.Sequential(nn.Embedding(vocabulary, width), nn.Linear(width, 64)).to(device)
         optimizer = forge_compile.optim.AdamW(model.parameters(), lr=1e-2, state_dtype="int8")
 
         def step(tokens):
@@ -393,8 +405,12 @@ def test_int8_states_of_an_unfused_embedding_compile_to_the_same_step():
 
         run = torch.compile(step, backend="forge") if compiled else step
         torch.manual_seed(1)
-        for _ in range(3):
-            run(torch.randint(0, 300, (4, 7)))
+        for i in range(3):
+            tokens = torch.randint(0, vocabulary, (4, 7)).to(device)
+            if compiled and i == 0:
+                _, code = run_and_get_code(run, tokens)
+            else:
+                run(tokens)
         results.append((model[0].weight.detach().clone(), dict(optimizer.state[model[0].weight])))
     (w_compiled, s_compiled), (w_eager, s_eager) = results
     assert s_compiled["exp_avg"].dtype == torch.int8 and s_compiled["exp_avg_sq"].dtype == torch.uint8
@@ -402,6 +418,10 @@ def test_int8_states_of_an_unfused_embedding_compile_to_the_same_step():
     for key in ("exp_avg", "exp_avg_sq"):
         assert (s_compiled[key].int() - s_eager[key].int()).abs().max() <= 1
         torch.testing.assert_close(s_compiled[key + "_absmax"], s_eager[key + "_absmax"], rtol=1e-5, atol=0)
+    if device == "cuda":
+        whole = re.findall(rf"empty_strided_cuda\(\({vocabulary}, {width}\), \({width}, 1\), torch\.float32\)",
+                           "\n".join(code))  # fmt: skip
+        assert not whole, f"the embedding's new fp32 states were stored whole ({whole}) between their scales and codes"
 
 
 def test_bf16_llama_with_nearest_rounding_tracks_torch_and_stochastic_rounding_moves_more_weights():
