@@ -69,15 +69,11 @@ def apply_rule(
     active = rule.active_states(tuple(options))
     signed = rule.signed_active_states(tuple(options))
     if quantized_states:
-        # The rule runs on whole 64-element blocks (each row padded with zeros, which every
-        # rule keeps zero), so that every value Inductor computes has the blocks' shape.
-        # Computed at the parameter's width and padded only to quantize, the new states of
-        # a width that is not a multiple of 64 came out of Inductor's C++ backend (torch
-        # 2.13) with the last partial block of each row never computed: its scale then read
-        # uninitialized memory, and the weights went NaN a step later.
-        param_c, grad_c = _whole_blocks(param_c), _whole_blocks(grad_c)
+        # The rule runs on [rows, blocks, 64] (each row padded with zeros to whole blocks,
+        # which every rule keeps zero): see _in_blocks.
+        param_c, grad_c = _in_blocks(param_c), _in_blocks(grad_c)
         codes, scales = states[: len(signed)], states[len(signed) :]
-        values = [_dequantize_whole_blocks(c, a, is_signed) for c, a, is_signed in zip(codes, scales, signed)]
+        values = [_dequantize_in_blocks(c, a, is_signed) for c, a, is_signed in zip(codes, scales, signed)]
     else:
         values = [s.to(compute) for s in states]
     slots, given = [], iter(values)
@@ -91,9 +87,9 @@ def apply_rule(
     new_values = [s for s, is_active in zip(out[1:], active) if is_active]
     new_param = out[0]
     if quantized_states:
-        stored = [_quantize_whole_blocks(v, is_signed) for v, is_signed in zip(new_values, signed)]
-        new_states = [_from_whole_blocks(c, param.shape) for c, _ in stored] + [a for _, a in stored]
-        new_param = _from_whole_blocks(new_param, param.shape)
+        stored = [_quantize_in_blocks(v, is_signed) for v, is_signed in zip(new_values, signed)]
+        new_states = [_from_blocks(c, param.shape) for c, _ in stored] + [a for _, a in stored]
+        new_param = _from_blocks(_stored_as_computed(new_param), param.shape)
     else:
         new_states = [v.to(s.dtype) for v, s in zip(new_values, states)]
     if rounding_seed is not None and param.dtype == torch.bfloat16:
@@ -110,25 +106,35 @@ def _padded_columns(columns: int) -> int:
     return -(-columns // storage.QUANT_BLOCK) * storage.QUANT_BLOCK
 
 
-def _whole_blocks(t: Tensor) -> Tensor:
-    """``t`` as [rows, columns] (:func:`_as_rows`), each row padded with zeros to whole 8-bit blocks."""
+def _in_blocks(t: Tensor) -> Tensor:
+    """``t`` as [rows, blocks, 64]: its 8-bit blocks, each row (:func:`_as_rows`) padded with zeros.
+
+    The unfused update of a parameter with 8-bit states is computed in this shape, and
+    what leaves it (codes, new weight) is stored in it first (:func:`_stored_as_computed`),
+    so that every value Inductor computes reads a block's scale at the block's own index.
+    Each code reads the scale of its block, a reduction over the block; computed in a
+    parameter's [rows, columns] shape instead, a value reads it at ``row * blocks +
+    column // 64``:
+
+    * Inductor's scheduler does not match that index with the one the reduction writes,
+      so the codes and new weight went to kernels of their own, and the new fp32 moments
+      were stored whole between them: for Llama-3.1-8B's 128256 x 4096 embedding, two
+      buffers of 2.0 GiB each at the end of the backward (with 64 columns, one block a
+      row, the indices match and they fused).
+    * Inductor's C++ backend (torch 2.13) splits a loop over ``column`` with such an index
+      into ``columns // 64`` whole blocks and drops the rest: for a width that is not
+      whole blocks, the last partial block of each row was never computed, its scale
+      read uninitialized memory, and the weight went NaN a step later.
+    """
     rows = _as_rows(t)
     padding = _padded_columns(rows.shape[1]) - rows.shape[1]
-    return torch.nn.functional.pad(rows, (0, padding)) if padding else rows
+    padded = torch.nn.functional.pad(rows, (0, padding)) if padding else rows
+    return padded.reshape(rows.shape[0], -1, storage.QUANT_BLOCK)
 
 
-def _from_whole_blocks(rows: Tensor, shape: torch.Size) -> Tensor:
-    """The inverse of :func:`_whole_blocks` for a tensor of ``shape``: the row padding cut off.
-
-    A padded result is stored first (:func:`_stored_as_computed`), so that whatever copies
-    it into a tensor of ``shape`` only reads it. A copy that computed it instead would
-    carry the blocks' ``column // 64`` in its indices over the unpadded width, and
-    Inductor's C++ backend (torch 2.13) splits such a loop into ``width // 64`` whole
-    blocks, dropping the rest: the last partial block of each row was never written."""
-    columns = math.prod(shape[1:])
-    if rows.shape[1] != columns:
-        rows = _stored_as_computed(rows)[:, :columns]
-    return rows.reshape(shape)
+def _from_blocks(blocks: Tensor, shape: torch.Size) -> Tensor:
+    """The inverse of :func:`_in_blocks` for a tensor of ``shape``: the row padding cut off."""
+    return blocks.reshape(blocks.shape[0], -1)[:, : math.prod(shape[1:])].reshape(shape)
 
 
 def _stored_as_computed(t: Tensor) -> Tensor:
@@ -139,12 +145,14 @@ def _stored_as_computed(t: Tensor) -> Tensor:
 
 def dequantize_state(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
     """An 8-bit state's values (fp32, the codes' shape) from its codes and [rows, blocks] scales."""
-    return _from_whole_blocks(_dequantize_whole_blocks(codes, scales, signed), codes.shape)
+    return _from_blocks(_dequantize_in_blocks(codes, scales, signed), codes.shape)
 
 
-def _dequantize_whole_blocks(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
-    padded = _whole_blocks(codes.to(torch.float32))
-    return _torch_storage("dequantize_blocks")(padded, scales, *padded.shape, storage.QUANT_BLOCK, signed)
+def _dequantize_in_blocks(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
+    blocks = _in_blocks(codes.to(torch.float32))
+    rows = blocks.reshape(blocks.shape[0], -1)
+    values = _torch_storage("dequantize_blocks")(rows, scales, *rows.shape, storage.QUANT_BLOCK, signed)
+    return values.reshape(blocks.shape)
 
 
 def code_dtype(signed: bool) -> torch.dtype:
@@ -155,26 +163,15 @@ def code_dtype(signed: bool) -> torch.dtype:
 def quantize_state(values: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
     """(codes shaped like ``values``, [rows, blocks] fp32 scales): the 8-bit storage of a
     state (:mod:`forge_compile.rules.storage`)."""
-    codes, scales = _quantize_whole_blocks(_whole_blocks(values.to(torch.float32)), signed)
-    return _from_whole_blocks(codes, values.shape), scales
+    codes, scales = _quantize_in_blocks(_in_blocks(values.to(torch.float32)), signed)
+    return _from_blocks(codes, values.shape), scales
 
 
-def _quantize_whole_blocks(values: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
-    """[rows, whole blocks] fp32 ``values`` -> (codes of the same shape, [rows, blocks] scales).
-
-    The codes are computed as a [rows, blocks, 64] tensor and stored as such
-    (:func:`_stored_as_computed`). Each code reads its block's scale, a reduction over the
-    block; computed in the [rows, columns] shape of the state they are copied into, a
-    code reads it at ``row * blocks + column // 64``, which Inductor's scheduler does not
-    match with the index the reduction writes (its block), so the codes went to a kernel
-    after the reduction's and the state's new fp32 values were stored whole between them:
-    for Llama-3.1-8B's 128256 x 4096 embedding, two buffers of 2.0 GiB each at the end of
-    the backward (the generated code for the GPU; one block a row, 64 columns, matched
-    and fused). In the blocks' shape they share the reduction's index: one kernel computes
-    the new values, their scales and codes, and stores only the codes."""
-    codes, scales = _torch_storage("quantize_blocks")(values, *values.shape, storage.QUANT_BLOCK, signed)
-    blocks = codes.reshape(codes.shape[0], -1, storage.QUANT_BLOCK).to(code_dtype(signed))
-    return _stored_as_computed(blocks).reshape(codes.shape), scales
+def _quantize_in_blocks(values: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
+    """[rows, blocks, 64] fp32 ``values`` -> (their codes, stored in that shape; [rows, blocks] scales)."""
+    rows = values.reshape(values.shape[0], -1)
+    codes, scales = _torch_storage("quantize_blocks")(rows, *rows.shape, storage.QUANT_BLOCK, signed)
+    return _stored_as_computed(codes.reshape(values.shape).to(code_dtype(signed))), scales
 
 
 _SEED_ELEMENTS = 16

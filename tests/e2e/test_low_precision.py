@@ -387,8 +387,7 @@ def test_int8_states_of_an_unfused_embedding_compile_to_the_same_step(device, wi
     """An embedding's update is not fused: Inductor compiles the rule with the 8-bit codes.
     Its result equals forge's eager rule step up to fp32 reassociation (a code at most 1 off),
     also in the last, partial block of a row that is not whole blocks wide. On the GPU the
-    new fp32 states are never stored at the weight's shape (ops._quantize_whole_blocks);
-    a width that is not whole blocks stores the new weight padded, once (ops._from_whole_blocks)."""
+    new fp32 states are never stored at the weight's shape (ops._in_blocks)."""
     from torch._inductor.utils import run_and_get_code
 
     vocabulary, results = 300, []
@@ -414,7 +413,9 @@ def test_int8_states_of_an_unfused_embedding_compile_to_the_same_step(device, wi
         results.append((model[0].weight.detach().clone(), dict(optimizer.state[model[0].weight])))
     (w_compiled, s_compiled), (w_eager, s_eager) = results
     assert s_compiled["exp_avg"].dtype == torch.int8 and s_compiled["exp_avg_sq"].dtype == torch.uint8
-    torch.testing.assert_close(w_compiled, w_eager, atol=1e-6, rtol=0)
+    # On the GPU, Triton contracts products and sums into FMAs that eager torch rounds
+    # twice: a code 1 off moves the next steps' updates (lr 1e-2) by up to lr / 127 each.
+    torch.testing.assert_close(w_compiled, w_eager, atol=1e-6 if device == "cpu" else 1e-3, rtol=0)
     for key in ("exp_avg", "exp_avg_sq"):
         assert (s_compiled[key].int() - s_eager[key].int()).abs().max() <= 1
         torch.testing.assert_close(s_compiled[key + "_absmax"], s_eager[key + "_absmax"], rtol=1e-5, atol=0)
