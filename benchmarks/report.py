@@ -544,7 +544,10 @@ def capacity_section(name: str) -> list[str]:
     ]
     for c in cases:
         if c.get("status") != "ok":
-            lines.append(f"| {c['model']} | {c['seq']} | {STEP_MODES[c['mode']]} | {c['status']} | | | |")
+            error = c.get("error", "")
+            why = error[error.index("timed out"):] if "timed out" in error else error[:120]  # not the worker's command
+            lines.append(f"| {c['model']} | {c['seq']} | {STEP_MODES[c['mode']]} | {c['status']}: {why} | | | "
+                         f"{c['environment']['date'][:16].replace('T', ' ')} |")  # fmt: skip
             continue
         fitting = [t for t in c["trials"] if t["fits"] and t["batch"] == c["largest_micro_batch"]]
         tried = ", ".join(f"{t['batch']}{'' if t['fits'] else ' (out of memory)'}" for t in c["trials"])
