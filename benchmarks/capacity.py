@@ -27,6 +27,7 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -90,6 +91,7 @@ def worker(model_name: str, mode: str, seq: int, max_batch: int, device: str = "
             failure = str(error).splitlines()[0][:300]
         if failure is not None:  # outside the except block, whose traceback holds the step's tensors
             trials.append({"batch": batch, "fits": False, "error": failure})
+            print(json.dumps(trials[-1]), file=sys.stderr, flush=True)
             del tokens
             for p in model.parameters():  # a backward cut short leaves gradients behind
                 p.grad = None
@@ -105,6 +107,19 @@ def worker(model_name: str, mode: str, seq: int, max_batch: int, device: str = "
     result["trials"] = trials
     result["status"] = "ok"
     return result
+
+
+def trials_printed(stderr: str | bytes | None) -> list[dict]:
+    """The trials a worker printed to its stderr (one JSON object a line) before it was stopped."""
+    text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr or ""
+    trials = []
+    for line in text.splitlines():
+        if line.startswith('{"batch"'):
+            try:
+                trials.append(json.loads(line))
+            except json.JSONDecodeError:  # the line the timeout cut
+                pass
+    return trials
 
 
 def main() -> int:
@@ -142,7 +157,10 @@ def main() -> int:
             result = run_in_subprocess("benchmarks.capacity", ["--worker", model, mode, "--seq", str(seq),
                                                                "--max-batch", str(args.max_batch),
                                                                "--device", args.device], timeout=args.timeout)  # fmt: skip
-        except Exception as error:  # a crash or a timeout: recorded, the other cases go on
+        except subprocess.TimeoutExpired as error:  # recorded with the sizes tried so far; the other cases go on
+            result = {"model": model, "mode": mode, "seq": seq, "status": "failed",
+                      "error": f"timed out after {error.timeout:.0f} s", "trials": trials_printed(error.stderr)}  # fmt: skip
+        except Exception as error:  # a crash: recorded, the other cases go on
             result = {"model": model, "mode": mode, "seq": seq, "status": "failed", "error": str(error)[-2000:]}
         result["environment"] = environment()
         previous["cases"].append(result)

@@ -546,7 +546,11 @@ def capacity_section(name: str) -> list[str]:
         if c.get("status") != "ok":
             error = c.get("error", "")
             why = error[error.index("timed out"):] if "timed out" in error else error[:120]  # not the worker's command
-            lines.append(f"| {c['model']} | {c['seq']} | {STEP_MODES[c['mode']]} | {c['status']}: {why} | | | "
+            fitted = [t["batch"] for t in c.get("trials", []) if t["fits"]]
+            if fitted:
+                why += f", after {max(fitted)} had trained"
+            tried = ", ".join(f"{t['batch']}{'' if t['fits'] else ' (out of memory)'}" for t in c.get("trials", []))
+            lines.append(f"| {c['model']} | {c['seq']} | {STEP_MODES[c['mode']]} | {c['status']}: {why} | | {tried} | "
                          f"{c['environment']['date'][:16].replace('T', ' ')} |")  # fmt: skip
             continue
         fitting = [t for t in c["trials"] if t["fits"] and t["batch"] == c["largest_micro_batch"]]

@@ -200,3 +200,14 @@ def test_capacity_worker_recovers_from_a_step_that_runs_out_of_memory(monkeypatc
     assert [(t["batch"], t["fits"]) for t in result["trials"]] == [(2, True), (4, False), (3, True)]
     assert "simulated" in result["trials"][1]["error"]
     assert clean_at_start == [True] * 5, clean_at_start  # 2 twice, 4 once (it fails), 3 twice
+
+
+def test_capacity_keeps_the_sizes_a_stopped_worker_had_printed():
+    from benchmarks.capacity import trials_printed
+
+    stderr = b'warmup\n{"batch": 2, "fits": true, "seconds": 1.5, "peak_bytes": 10}\n{"batch": 4, "fits": false, "error": "CUDA out of memory"}\n{"batch": 3, "fi'
+    assert trials_printed(stderr) == [
+        {"batch": 2, "fits": True, "seconds": 1.5, "peak_bytes": 10},
+        {"batch": 4, "fits": False, "error": "CUDA out of memory"},
+    ]
+    assert trials_printed(None) == []
