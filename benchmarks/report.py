@@ -544,8 +544,7 @@ def capacity_section(name: str) -> list[str]:
     ]
     for c in cases:
         if c.get("status") != "ok":
-            error = c.get("error", "")
-            why = error[error.index("timed out"):] if "timed out" in error else error[:120]  # not the worker's command
+            why = _why_failed(c)
             fitted = [t["batch"] for t in c.get("trials", []) if t["fits"]]
             if fitted:
                 why += f", after {max(fitted)} had trained"
@@ -631,8 +630,7 @@ def h200_summary() -> dict:
         summary["sources"].append({"file": "benchmarks/results/convergence.json"})
     capacity = _result("capacity")
     if capacity:
-        summary["largest_micro_batch_seq1024"] = {f"{c['model']} {c['mode']}": c["largest_micro_batch"]
-                                                  for c in capacity["cases"] if c.get("status") == "ok"}  # fmt: skip
+        summary["largest_micro_batch_seq1024"] = _largest_micro_batches(capacity)
         summary["sources"].append({"file": "benchmarks/results/capacity.json"})
     summary["not_measured"] = [key for key in wanted if key not in summary]
     # Later runs on the device's other card (an H100), where no H200 was lent: the same
@@ -651,9 +649,23 @@ def h200_summary() -> dict:
         h100["llama8b_bs1_seq1024_step_ms"] = {mode: c["step_ms_median"] for mode, c in latest.items()}
         h100["llama8b_bs1_seq1024_peak_gib"] = {mode: c["peak_bytes"] / 2**30 for mode, c in latest.items()}
         h100["llama8b_bs1_seq1024_measured"] = {mode: c["environment"]["date"] for mode, c in latest.items()}
+    capacity_h100 = _result("capacity_h100")
+    if capacity_h100:
+        h100["largest_micro_batch_seq1024"] = _largest_micro_batches(capacity_h100)
     if h100:
         summary["h100"] = h100
     return summary
+
+
+def _largest_micro_batches(capacity: dict) -> dict:
+    """Per "model mode": the largest micro-batch that trained, or why the search failed."""
+    return {f"{c['model']} {c['mode']}": c["largest_micro_batch"] if c.get("status") == "ok"
+            else f"failed: {_why_failed(c)}" for c in capacity["cases"]}  # fmt: skip
+
+
+def _why_failed(case: dict) -> str:
+    error = case.get("error", "")
+    return error[error.index("timed out"):] if "timed out" in error else error[:120]  # not the worker's command
 
 
 def readme_with_results(text: str) -> str:
