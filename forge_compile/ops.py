@@ -117,10 +117,12 @@ def _in_blocks(t: Tensor) -> Tensor:
     column // 64``:
 
     * Inductor's scheduler does not match that index with the one the reduction writes,
-      so the codes and new weight went to kernels of their own, and the new fp32 moments
-      were stored whole between them: for Llama-3.1-8B's 128256 x 4096 embedding, two
-      buffers of 2.0 GiB each at the end of the backward (with 64 columns, one block a
-      row, the indices match and they fused).
+      so the values that read the scales and the reduction went to different kernels,
+      with the new fp32 moments stored whole between them (in the generated Triton code:
+      the codes in a kernel of their own with torch 2.13, the new moments and weight with
+      torch 2.11 on an H100). For Llama-3.1-8B's 128256 x 4096 embedding that is two
+      buffers of 2.0 GiB each at the end of the backward. With 64 columns, one block a
+      row, the indices match.
     * Inductor's C++ backend (torch 2.13) splits a loop over ``column`` with such an index
       into ``columns // 64`` whole blocks and drops the rest: for a width that is not
       whole blocks, the last partial block of each row was never computed, its scale
