@@ -413,8 +413,10 @@ def test_int8_states_of_an_unfused_embedding_compile_to_the_same_step(device, wi
         results.append((model[0].weight.detach().clone(), dict(optimizer.state[model[0].weight])))
     (w_compiled, s_compiled), (w_eager, s_eager) = results
     assert s_compiled["exp_avg"].dtype == torch.int8 and s_compiled["exp_avg_sq"].dtype == torch.uint8
-    # On the GPU, Triton contracts products and sums into FMAs that eager torch rounds
-    # twice: a code 1 off moves the next steps' updates (lr 1e-2) by up to lr / 127 each.
+    # On the GPU a compiled code may be 1 off the eager one (Triton contracts products and
+    # sums into FMAs, eager torch rounds each; the H100 showed weights 4e-4 apart after 3
+    # steps): that moves the next steps' updates (lr 1e-2) by up to lr / 127 each, where a
+    # wrong update is off by about lr.
     torch.testing.assert_close(w_compiled, w_eager, atol=1e-6 if device == "cpu" else 1e-3, rtol=0)
     for key in ("exp_avg", "exp_avg_sq"):
         assert (s_compiled[key].int() - s_eager[key].int()).abs().max() <= 1
