@@ -75,6 +75,10 @@ def worker(model_name: str, mode: str, seq: int, max_batch: int, device: str = "
     generator = torch.Generator(device=device).manual_seed(0)
     trials = []
 
+    def record(trial: dict) -> None:  # printed too, for the parent to keep if it stops the worker
+        trials.append(trial)
+        print(json.dumps(trial), file=sys.stderr, flush=True)
+
     def fits(batch: int) -> bool:
         tokens = torch.randint(0, config.vocab_size, (batch, seq), device=device, generator=generator)
         if batch > 1:  # one compiled step for every size from 2 up
@@ -90,17 +94,15 @@ def worker(model_name: str, mode: str, seq: int, max_batch: int, device: str = "
         except torch.OutOfMemoryError as error:
             failure = str(error).splitlines()[0][:300]
         if failure is not None:  # outside the except block, whose traceback holds the step's tensors
-            trials.append({"batch": batch, "fits": False, "error": failure})
-            print(json.dumps(trials[-1]), file=sys.stderr, flush=True)
+            record({"batch": batch, "fits": False, "error": failure})
             del tokens
             for p in model.parameters():  # a backward cut short leaves gradients behind
                 p.grad = None
             gc.collect()
             torch.cuda.empty_cache()
             return False
-        trials.append({"batch": batch, "fits": True, "seconds": time.perf_counter() - start,
-                       "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None})  # fmt: skip
-        print(json.dumps(trials[-1]), file=sys.stderr, flush=True)
+        record({"batch": batch, "fits": True, "seconds": time.perf_counter() - start,
+                "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None})  # fmt: skip
         return True
 
     result["largest_micro_batch"] = largest_fitting(fits, max_batch)

@@ -548,14 +548,13 @@ def capacity_section(name: str) -> list[str]:
             fitted = [t["batch"] for t in c.get("trials", []) if t["fits"]]
             if fitted:
                 why += f", after {max(fitted)} had trained"
-            tried = ", ".join(f"{t['batch']}{'' if t['fits'] else ' (out of memory)'}" for t in c.get("trials", []))
-            lines.append(f"| {c['model']} | {c['seq']} | {STEP_MODES[c['mode']]} | {c['status']}: {why} | | {tried} | "
+            lines.append(f"| {c['model']} | {c['seq']} | {STEP_MODES[c['mode']]} | {c['status']}: {why} | | "
+                         f"{_sizes_tried(c.get('trials', []))} | "
                          f"{c['environment']['date'][:16].replace('T', ' ')} |")  # fmt: skip
             continue
         fitting = [t for t in c["trials"] if t["fits"] and t["batch"] == c["largest_micro_batch"]]
-        tried = ", ".join(f"{t['batch']}{'' if t['fits'] else ' (out of memory)'}" for t in c["trials"])
         lines.append(f"| {c['model']} | {c['seq']} | {STEP_MODES[c['mode']]} | {c['largest_micro_batch']} | "
-                     f"{_gib(fitting[0]['peak_bytes']) if fitting else 'n/a'} | {tried} | "
+                     f"{_gib(fitting[0]['peak_bytes']) if fitting else 'n/a'} | {_sizes_tried(c['trials'])} | "
                      f"{c['environment']['date'][:16].replace('T', ' ')} |")  # fmt: skip
     return lines
 
@@ -655,6 +654,10 @@ def h200_summary() -> dict:
     if h100:
         summary["h100"] = h100
     return summary
+
+
+def _sizes_tried(trials: list[dict]) -> str:
+    return ", ".join(f"{t['batch']}{'' if t['fits'] else ' (out of memory)'}" for t in trials)
 
 
 def _largest_micro_batches(capacity: dict) -> dict:

@@ -18,6 +18,8 @@ import forge_compile
 from forge_compile import ops
 from helpers import block_absmax, root_code_bound, signed_code_bound
 
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
 BF16_ULP_BELOW_ONE = 2.0**-8  # bf16 spacing in [0.5, 1)
 
 
@@ -167,8 +169,7 @@ def test_stochastic_rounding_of_unfused_parameters_matches_the_eager_step(dynami
         assert torch.equal(compiled, eager)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])  # fmt: skip
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
 def test_inductor_lowering_of_stochastic_rounding_draws_the_eager_bits_in_one_body(device, no_inductor_cache):
     """forge lowers its rounding op to one point-wise body (forge_compile.lowerings). The
     compiled result must be the eager op's bits, NaN and inf included, for rows that start
@@ -375,9 +376,6 @@ def test_bf16_model_trains_without_an_fp32_copy():
                 assert all(t.dtype == torch.bfloat16 for k, t in optimizer.state[p].items() if k != "step")
     assert losses[torch.bfloat16][-1] < 0.5 * losses[torch.bfloat16][0]
     assert abs(losses[torch.bfloat16][-1] - losses[torch.float32][-1]) < 0.05 * losses[torch.float32][0]
-
-
-_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.parametrize("device,width", [
