@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import decompositions, dtensor, dump, explain, lowerings, ops  # noqa: F401  (torch.ops.forge.* and their Inductor lowerings)
+from . import decompositions, dtensor, dump, explain, lowerings, ops, scheduling  # noqa: F401  (torch.ops.forge.* and their Inductor lowerings)
 from .config import config
 from .passes.fuse_linear_update import decompose_update, fuse_linear_updates, keep_fused_updates_after_reads
 from .passes.recompute_activations import recompute_activations
@@ -69,7 +69,8 @@ def _source_hash() -> str:
     """Hash of the code that decides the rewrite and its lowering: a change invalidates Inductor's cache."""
     digest = hashlib.sha256()
     for path in sorted([*_PACKAGE.glob("passes/*.py"), *_PACKAGE.glob("rules/*.py"), _PACKAGE / "ops.py",
-                        _PACKAGE / "lowerings.py", _PACKAGE / "decompositions.py", _PACKAGE / "backend.py"]):  # fmt: skip
+                        _PACKAGE / "lowerings.py", _PACKAGE / "decompositions.py", _PACKAGE / "backend.py",
+                        _PACKAGE / "scheduling.py"]):  # fmt: skip
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -206,7 +207,8 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None 
             post_pass = ForgePostPass(torch._inductor.config.post_grad_custom_post_pass, recompute=compilation.recompute,
                                       backward_sources=backward_sources)  # fmt: skip
             with torch._inductor.config.patch(post_grad_custom_pre_pass=custom_pass, post_grad_custom_post_pass=post_pass,
-                                              **patches), _dumping(record), _forge_decompositions():  # fmt: skip
+                                              **patches), _dumping(record), _forge_decompositions(), \
+                    scheduling.reuse_buffers_past_ordering_deps():  # fmt: skip
                 return compile_fx(gm, example_inputs, **kwargs)
         finally:
             _compilations.pop()

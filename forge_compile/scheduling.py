@@ -1,0 +1,86 @@
+"""Let Inductor write a value over a buffer whose only later "user" is an ordering constraint.
+
+A fused update (``forge::fused_linear_update_``) overwrites its weight. Inductor's scheduler
+orders it after every earlier reader of the old weight by giving it a ``WeakDep`` on each
+reader's *output* buffer: for the forward matmul that made the logits, a dependency on the
+logits. That dependency is marked ``is_fake`` (ordering only, it reads nothing and does not
+keep the buffer alive), but the scheduler still lists the update among the logits' users,
+and its in-place rule (``decide_inplace_update``) counts every listed user that has not run.
+So the cross-entropy backward, the logits' last real reader, writes their gradient to a new
+[tokens, vocabulary] buffer instead of over the logits: 1024 x 128256 bf16 is 0.245 GiB
+alive at the start of an 8B backward for nothing. The same holds for every output of a
+matmul whose weight forge updates in the step.
+
+:func:`reuse_buffers_past_ordering_deps` drops those users after the scheduler has computed
+its dependencies, for the compilation it wraps: a user of buffer ``B`` goes when each of its
+reads of ``B`` is a fake ``WeakDep``. The dependency itself stays on the node
+(``unmet_dependencies``, which orders the schedule), so the update still runs after the
+reader; only the in-place rule and the memory planner no longer see it. Overwriting ``B``
+cannot change what such a user computes: it never reads ``B``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def _drop_ordering_only_users(scheduler) -> int:
+    from torch._inductor.dependencies import WeakDep
+
+    dropped = 0
+    for name, buffer in scheduler.name_to_buf.items():
+        users = getattr(buffer, "users", None)
+        if not users:
+            continue
+        kept = []
+        for user in users:
+            node = user.node
+            reads = getattr(getattr(node, "read_writes", None), "reads", None)
+            ordering_only = (
+                user.is_weak
+                and reads is not None
+                and any(dep.name == name for dep in reads)
+                and all(isinstance(dep, WeakDep) and dep.is_fake for dep in reads if dep.name == name)
+            )
+            if ordering_only:
+                dropped += 1
+            else:
+                kept.append(user)
+        if len(kept) != len(users):
+            buffer.users = kept
+    return dropped
+
+
+@contextlib.contextmanager
+def reuse_buffers_past_ordering_deps():
+    """Within the block, Inductor's ``Scheduler.compute_dependencies`` drops the users that
+    only order a node after a buffer's producer (see the module docstring). The patch is
+    process-wide while it lasts, like forge's decompositions: Dynamo compiles one graph at a
+    time. Where Inductor's internals differ (no ``is_fake`` on ``WeakDep``), nothing changes."""
+    try:
+        from torch._inductor.dependencies import WeakDep
+        from torch._inductor.scheduler import Scheduler
+    except ImportError:
+        yield
+        return
+    original = getattr(Scheduler, "compute_dependencies", None)
+    if original is None or "is_fake" not in getattr(WeakDep, "__dataclass_fields__", {}):
+        yield
+        return
+
+    @functools.wraps(original)
+    def compute_dependencies(self) -> None:
+        original(self)
+        dropped = _drop_ordering_only_users(self)
+        if dropped:
+            log.debug("forge: %d ordering-only buffer users left out of Inductor's in-place reuse", dropped)
+
+    Scheduler.compute_dependencies = compute_dependencies
+    try:
+        yield
+    finally:
+        Scheduler.compute_dependencies = original
