@@ -17,6 +17,13 @@ reads of ``B`` is a fake ``WeakDep``. The dependency itself stays on the node
 (``unmet_dependencies``, which orders the schedule), so the update still runs after the
 reader; only the in-place rule and the memory planner no longer see it. Overwriting ``B``
 cannot change what such a user computes: it never reads ``B``.
+
+Where this is not enough: torch 2.11's Triton code (generated on a CPU host for an 8B-wide
+model) fuses the cross-entropy backward into the forward's log-sum-exp kernel, and the
+loss, which reads the logits at the labels, runs after that kernel; the backward also goes
+through an fp32 [tokens, vocabulary] node before its bf16 cast. No kernel there can
+overwrite the logits, and the gradient keeps a buffer of its own. Torch 2.13 (CPU and
+Triton code) writes it in place.
 """
 
 from __future__ import annotations
