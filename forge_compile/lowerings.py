@@ -40,9 +40,21 @@ def _register() -> None:
         step_dtype, seed_dtype = step.get_dtype(), seed.get_dtype()
         Value = inductor_dialect.Value
 
+        # Only the element index's low 32 bits reach the hash (storage.round_bfloat16_stochastically
+        # masks them), so the rows' offset goes in as its low 32 bits, read as a signed int32.
+        # Inductor 2.11 prints an int64 index expression in the kernel's index dtype, int32 for
+        # a tensor under 2**31 elements, and Triton rejects a constant outside int32 there
+        # ("Scalar 2348810240 is out of range for type int32" on an H100 for a block 2**25 rows
+        # in); the sum then wraps modulo 2**32 in int32 and is exact in int64, the same low bits.
+        try:
+            offset = (first_row * int(columns)) % 2**32
+            offset -= 2**32 if offset >= 2**31 else 0
+        except TypeError:  # a symbolic width: the offset stays an expression
+            offset = first_row * columns
+
         def body(index):
             row, column = index
-            element = ops.index_expr((row + first_row) * columns + column, torch.int64)
+            element = ops.index_expr(offset + row * columns + column, torch.int64)
             seed_value = Value(load_seed([0] * len(seed.get_size())), seed_dtype).to(torch.int64)
             key = _rounding_key(seed_value, Value(load_step([0] * len(step.get_size())), step_dtype))
             return _round(Value(load_rows(index), torch.float32), Value(element, torch.int64), key).value

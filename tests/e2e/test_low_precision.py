@@ -418,7 +418,10 @@ def test_int8_states_of_an_unfused_embedding_compile_to_the_same_step(device, wi
     torch.testing.assert_close(w_compiled, w_eager, atol=1e-6 if device == "cpu" else 1e-3, rtol=0)
     for key in ("exp_avg", "exp_avg_sq"):
         assert (s_compiled[key].int() - s_eager[key].int()).abs().max() <= 1
-        torch.testing.assert_close(s_compiled[key + "_absmax"], s_eager[key + "_absmax"], rtol=1e-5, atol=0)
+        # A code 1 off in one step moves the block's next scale by up to beta * 2 / 127 of it;
+        # the H100 showed 7.7e-5 relative after 3 steps. A wrong rule moves it by far more.
+        torch.testing.assert_close(s_compiled[key + "_absmax"], s_eager[key + "_absmax"],
+                                   rtol=1e-5 if device == "cpu" else 1e-3, atol=0)  # fmt: skip
     if device == "cuda":  # fp32 buffers of a state's size, whatever their shape
         sizes = [math.prod(int(d) for d in dims.split(",") if d.strip())
                  for dims in re.findall(r"empty_strided_cuda\(\(([\d, ]*)\), \([\d, ]*\), torch\.float32\)", "\n".join(code))]  # fmt: skip
