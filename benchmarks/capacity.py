@@ -124,6 +124,40 @@ def trials_printed(stderr: str | bytes | None) -> list[dict]:
     return trials
 
 
+class _Untried(Exception):
+    pass
+
+
+def settled_by(trials: list[dict], max_batch: int) -> int | None:
+    """The search's answer where the trials of a stopped worker already settle it: the search
+    replayed on their outcomes, or None where it would have tried a size they lack."""
+    outcomes = {trial["batch"]: trial["fits"] for trial in trials}
+
+    def recorded(batch: int) -> bool:
+        if batch not in outcomes:
+            raise _Untried
+        return outcomes[batch]
+
+    try:
+        return largest_fitting(recorded, max_batch)
+    except _Untried:
+        return None
+
+
+def timed_out_case(model: str, mode: str, seq: int, error: subprocess.TimeoutExpired, max_batch: int) -> dict:
+    """A case whose worker was stopped: its trials so far, and the answer where they settle it
+    (the worker can be stopped after its last trial, before it reports)."""
+    trials = trials_printed(error.stderr)
+    result = {"model": model, "mode": mode, "seq": seq, "trials": trials}
+    largest = settled_by(trials, max_batch)
+    if largest is None:
+        result.update(status="failed", error=f"timed out after {error.timeout:.0f} s")
+    else:
+        result.update(status="ok", largest_micro_batch=largest,
+                      note=f"the worker timed out after {error.timeout:.0f} s; its trials settle the search")  # fmt: skip
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="llama-8b")
@@ -160,8 +194,7 @@ def main() -> int:
                                                                "--max-batch", str(args.max_batch),
                                                                "--device", args.device], timeout=args.timeout)  # fmt: skip
         except subprocess.TimeoutExpired as error:  # recorded with the sizes tried so far; the other cases go on
-            result = {"model": model, "mode": mode, "seq": seq, "status": "failed",
-                      "error": f"timed out after {error.timeout:.0f} s", "trials": trials_printed(error.stderr)}  # fmt: skip
+            result = timed_out_case(model, mode, seq, error, args.max_batch)
         except Exception as error:  # a crash: recorded, the other cases go on
             result = {"model": model, "mode": mode, "seq": seq, "status": "failed", "error": str(error)[-2000:]}
         result["environment"] = environment()

@@ -553,7 +553,8 @@ def capacity_section(name: str) -> list[str]:
                          f"{c['environment']['date'][:16].replace('T', ' ')} |")  # fmt: skip
             continue
         fitting = [t for t in c["trials"] if t["fits"] and t["batch"] == c["largest_micro_batch"]]
-        lines.append(f"| {c['model']} | {c['seq']} | {STEP_MODES[c['mode']]} | {c['largest_micro_batch']} | "
+        settled = f" ({c['note']})" if c.get("note") else ""
+        lines.append(f"| {c['model']} | {c['seq']} | {STEP_MODES[c['mode']]} | {c['largest_micro_batch']}{settled} | "
                      f"{_gib(fitting[0]['peak_bytes']) if fitting else 'n/a'} | {_sizes_tried(c['trials'])} | "
                      f"{c['environment']['date'][:16].replace('T', ' ')} |")  # fmt: skip
     return lines

@@ -211,3 +211,29 @@ def test_capacity_keeps_the_sizes_a_stopped_worker_had_printed():
         {"batch": 4, "fits": False, "error": "CUDA out of memory"},
     ]
     assert trials_printed(None) == []
+
+
+def test_a_stopped_capacity_search_keeps_its_answer_where_its_trials_settle_it():
+    """The H100's forge search was stopped after its last trial: 2, 4, 8 fit, 16, 12, 10 did
+    not, 9 fit, so 9 is the answer. A search stopped before it knows stays failed."""
+    import subprocess
+
+    from benchmarks.capacity import settled_by, timed_out_case
+
+    def trial(batch, fits):
+        return {"batch": batch, "fits": fits}
+
+    finished = [trial(2, True), trial(4, True), trial(8, True), trial(16, False), trial(12, False),
+                trial(10, False), trial(9, True)]  # fmt: skip
+    assert settled_by(finished, 256) == 9
+    assert settled_by(finished[:-1], 256) is None  # 9 not yet tried
+    assert settled_by([trial(2, False), trial(1, True)], 256) == 1
+    assert settled_by([trial(2, False), trial(1, False)], 256) == 0
+    assert settled_by([], 256) is None
+    stderr = "\n".join(json.dumps(t) for t in finished).encode()
+    case = timed_out_case("llama-8b", "forge", 1024, subprocess.TimeoutExpired("worker", 480, stderr=stderr), 256)
+    assert case["status"] == "ok" and case["largest_micro_batch"] == 9 and "timed out after 480 s" in case["note"]
+    partial = "\n".join(json.dumps(t) for t in finished[:2]).encode()
+    stopped = timed_out_case("llama-8b", "forge", 1024, subprocess.TimeoutExpired("worker", 240, stderr=partial), 256)
+    assert stopped["status"] == "failed" and stopped["error"] == "timed out after 240 s"
+    assert stopped["trials"] == finished[:2] and "largest_micro_batch" not in stopped
