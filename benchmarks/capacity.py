@@ -6,8 +6,11 @@ step runs out of memory, then bisecting between the last size that trained and t
 that did not (batch 1 is tried only when 2 does not fit). A size fits when two steps run,
 the second with everything the first left behind (optimizer states, workspaces).
 
-The batch dimension is marked dynamic, so a compiled mode compiles its step once for all
-sizes from 2 up; and forge runs with ``FORGE_AUTOTUNE=0``: tuning a new token count clones
+The batch dimension is marked dynamic, so a compiled mode compiles its step for sizes from
+2 up: once, or again where a size breaks a guard Inductor added for the first (Llama-8B on
+an H100: compiled at 2, 193 s, again at 8, 256 s). A search its timeout stops is kept with
+its trials and resumes from them on the next run, so a long search spans several calls;
+and forge runs with ``FORGE_AUTOTUNE=0``: tuning a new token count clones
 each weight and its states for the trials, a one-off that a tuned, cached shape never
 pays and that would otherwise decide the search. A step that runs out of memory leaves
 the weights partly updated, which changes no later size's memory; its gradients are
@@ -18,7 +21,7 @@ dropped before the next size.
 
 writes results/capacity[_card].json: per model and mode the largest micro-batch, every
 size tried (fits or not, peak memory, seconds) and the card's memory. A case already in
-the file is not measured again unless ``--redo``.
+the file is not measured again unless ``--redo`` (one that timed out resumes).
 """
 
 from __future__ import annotations
@@ -64,7 +67,10 @@ def largest_fitting(fits: Callable[[int], bool], max_batch: int) -> int:
     return fitting
 
 
-def worker(model_name: str, mode: str, seq: int, max_batch: int, device: str = "cuda") -> dict:
+def worker(model_name: str, mode: str, seq: int, max_batch: int, device: str = "cuda",
+           known: list[dict] = ()) -> dict:  # fmt: skip
+    """The search in this process; ``known``: trials of an earlier, stopped search on this
+    card, whose outcomes stand in for running those sizes again."""
     device = torch.device(device)
     result = {"model": model_name, "mode": mode, "seq": seq, "device": device.type}
     if device.type == "cuda":
@@ -73,13 +79,18 @@ def worker(model_name: str, mode: str, seq: int, max_batch: int, device: str = "
     result["parameters"] = sum(p.numel() for p in model.parameters())
     train = step.optimizer_step(model, mode)
     generator = torch.Generator(device=device).manual_seed(0)
-    trials = []
+    trials = list(known)
+    outcomes = {trial["batch"]: trial["fits"] for trial in known}
+    if known:
+        result["resumed_from_trials"] = len(known)
 
     def record(trial: dict) -> None:  # printed too, for the parent to keep if it stops the worker
         trials.append(trial)
         print(json.dumps(trial), file=sys.stderr, flush=True)
 
     def fits(batch: int) -> bool:
+        if batch in outcomes:
+            return outcomes[batch]
         tokens = torch.randint(0, config.vocab_size, (batch, seq), device=device, generator=generator)
         if batch > 1:  # one compiled step for every size from 2 up
             torch._dynamo.mark_dynamic(tokens, 0)
@@ -144,10 +155,12 @@ def settled_by(trials: list[dict], max_batch: int) -> int | None:
         return None
 
 
-def timed_out_case(model: str, mode: str, seq: int, error: subprocess.TimeoutExpired, max_batch: int) -> dict:
-    """A case whose worker was stopped: its trials so far, and the answer where they settle it
-    (the worker can be stopped after its last trial, before it reports)."""
-    trials = trials_printed(error.stderr)
+def timed_out_case(model: str, mode: str, seq: int, error: subprocess.TimeoutExpired, max_batch: int,
+                   known: list[dict] = ()) -> dict:  # fmt: skip
+    """A case whose worker was stopped: its trials so far (after ``known``, those it resumed
+    from), and the answer where they settle it (the worker can be stopped after its last
+    trial, before it reports). A later run resumes the search from these trials."""
+    trials = list(known) + trials_printed(error.stderr)
     result = {"model": model, "mode": mode, "seq": seq, "trials": trials}
     largest = settled_by(trials, max_batch)
     if largest is None:
@@ -168,9 +181,10 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="cpu runs the tiny-llama smoke test")
     parser.add_argument("--redo", action="store_true", help="measure cases already in the results file again")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--known", default="[]", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.seq, args.max_batch, args.device)))
+        print(json.dumps(worker(*args.worker, args.seq, args.max_batch, args.device, json.loads(args.known))))
         return 0
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
@@ -182,6 +196,11 @@ def main() -> int:
     key = lambda c: (c["model"], c["mode"], c["seq"])  # noqa: E731
     if args.redo:
         previous["cases"] = [c for c in previous["cases"] if key(c) not in set(cases)]
+    # A search stopped by its timeout resumes from its trials: each call of a long search
+    # (one compile per guard the batch size breaks) gets further.
+    stopped = {key(c): c["trials"] for c in previous["cases"]
+               if c.get("status") == "failed" and "timed out" in c.get("error", "") and c.get("trials")}  # fmt: skip
+    previous["cases"] = [c for c in previous["cases"] if key(c) not in stopped]
     done = {key(c) for c in previous["cases"]}
     try:
         from tqdm import tqdm
@@ -189,12 +208,13 @@ def main() -> int:
         tqdm = lambda x, **_: x  # noqa: E731
     os.environ["FORGE_AUTOTUNE"] = "0"  # for the workers: see the module docstring
     for model, mode, seq in tqdm([c for c in cases if c not in done], desc="capacity", file=sys.stdout):
+        known = stopped.get((model, mode, seq), [])
         try:
             result = run_in_subprocess("benchmarks.capacity", ["--worker", model, mode, "--seq", str(seq),
-                                                               "--max-batch", str(args.max_batch),
-                                                               "--device", args.device], timeout=args.timeout)  # fmt: skip
+                                                               "--max-batch", str(args.max_batch), "--device", args.device,
+                                                               "--known", json.dumps(known)], timeout=args.timeout)  # fmt: skip
         except subprocess.TimeoutExpired as error:  # recorded with the sizes tried so far; the other cases go on
-            result = timed_out_case(model, mode, seq, error, args.max_batch)
+            result = timed_out_case(model, mode, seq, error, args.max_batch, known)
         except Exception as error:  # a crash: recorded, the other cases go on
             result = {"model": model, "mode": mode, "seq": seq, "status": "failed", "error": str(error)[-2000:]}
         result["environment"] = environment()

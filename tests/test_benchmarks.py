@@ -200,6 +200,10 @@ def test_capacity_worker_recovers_from_a_step_that_runs_out_of_memory(monkeypatc
     assert [(t["batch"], t["fits"]) for t in result["trials"]] == [(2, True), (4, False), (3, True)]
     assert "simulated" in result["trials"][1]["error"]
     assert clean_at_start == [True] * 5, clean_at_start  # 2 twice, 4 once (it fails), 3 twice
+    clean_at_start.clear()
+    resumed = capacity.worker("tiny-llama", "eager_fused", seq=8, max_batch=64, device="cpu", known=result["trials"][:2])
+    assert resumed["largest_micro_batch"] == 3 and resumed["resumed_from_trials"] == 2
+    assert resumed["trials"][:2] == result["trials"][:2] and len(clean_at_start) == 2  # only 3 ran, twice
 
 
 def test_capacity_keeps_the_sizes_a_stopped_worker_had_printed():
@@ -237,3 +241,39 @@ def test_a_stopped_capacity_search_keeps_its_answer_where_its_trials_settle_it()
     stopped = timed_out_case("llama-8b", "forge", 1024, subprocess.TimeoutExpired("worker", 240, stderr=partial), 256)
     assert stopped["status"] == "failed" and stopped["error"] == "timed out after 240 s"
     assert stopped["trials"] == finished[:2] and "largest_micro_batch" not in stopped
+
+
+def test_a_stopped_capacity_search_resumes_from_its_trials(tmp_path, monkeypatch):
+    """The second run passes the stopped search's trials to its worker, which runs only the
+    sizes they lack; the case is then replaced, not added beside the stopped one."""
+    from benchmarks import capacity
+
+    stopped = {"model": "tiny-llama", "mode": "forge", "seq": 8, "status": "failed", "error": "timed out after 9 s",
+               "trials": [{"batch": 2, "fits": True}, {"batch": 4, "fits": True}, {"batch": 8, "fits": False}]}  # fmt: skip
+    (tmp_path / "capacity.json").write_text(json.dumps({"cases": [stopped]}))
+    monkeypatch.setattr(capacity, "RESULTS", tmp_path)
+    monkeypatch.setattr(capacity, "for_this_card", lambda name: name)
+    monkeypatch.setattr(capacity, "environment", lambda: {"date": "now"})
+    ran = []
+
+    def worker_in_this_process(module, arguments, timeout):
+        known = json.loads(arguments[arguments.index("--known") + 1])
+        tried = []
+
+        def fits(batch):  # sizes up to 6 fit
+            outcome = {t["batch"]: t["fits"] for t in known}.get(batch)
+            if outcome is None:
+                tried.append(batch)
+                outcome = batch <= 6
+            return outcome
+
+        ran.append(tried)
+        return {"model": "tiny-llama", "mode": "forge", "seq": 8, "status": "ok",
+                "largest_micro_batch": capacity.largest_fitting(fits, 64)}  # fmt: skip
+
+    monkeypatch.setattr(capacity, "run_in_subprocess", worker_in_this_process)
+    monkeypatch.setattr(sys, "argv", ["capacity.py", "--models", "tiny-llama", "--modes", "forge", "--seq", "8"])
+    assert capacity.main() == 0
+    assert ran == [[6, 7]]  # 2, 4 and 8 came from the stopped search
+    cases = json.loads((tmp_path / "capacity.json").read_text())["cases"]
+    assert [(c["status"], c.get("largest_micro_batch")) for c in cases] == [("ok", 6)]
