@@ -10,8 +10,12 @@ else allocated before the step are the baseline, reported as one figure.
     PYTHONPATH=. python benchmarks/peak_composition.py --model llama-8b --mode forge
 
 writes results/peak_composition[_card].json: the baseline, the step's peak above it,
-``max_memory_allocated``, and the allocations alive at the peak, largest first, with
-identical sources summed.
+``max_memory_allocated``, the allocation that reached the peak, every allocation alive at
+the peak (largest first, identical sources summed; ``--top`` of them printed) and the same
+grouped by the shape and dtype the generated code allocated them with. Inductor reuses a
+buffer for later values of its size (``buf51 = reinterpret_tensor(buf27, ...)``), so a
+source names where the memory was allocated, not what it holds at the peak; the shapes
+say what sizes of value hold it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import collections
 import linecache
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -40,31 +45,48 @@ def source_of(frames: list[dict]) -> str:
     return f"{frames[0]['filename']}:{frames[0]['line']}" if frames else "?"
 
 
-def peak_of(trace: list[dict]) -> tuple[int, dict[int, dict]]:
-    """Replay an allocator trace: the largest sum of live allocations it reaches and those
-    allocations (address -> trace entry). Blocks allocated before the trace began are not
-    counted, and their frees are ignored."""
+def peak_of(trace: list[dict]) -> tuple[int, dict[int, dict], dict | None]:
+    """Replay an allocator trace: the largest sum of live allocations it reaches, those
+    allocations (address -> trace entry) and the allocation that reached it. Blocks
+    allocated before the trace began are not counted, and their frees are ignored."""
     live: dict[int, dict] = {}
     current = best = 0
     at_best: dict[int, dict] = {}
+    reached_by = None
     for entry in trace:
         if entry["action"] == "alloc":
             live[entry["addr"]] = entry
             current += entry["size"]
             if current > best:
-                best, at_best = current, dict(live)
+                best, at_best, reached_by = current, dict(live), entry
         elif entry["action"] == "free_completed" and entry["addr"] in live:
             current -= live.pop(entry["addr"])["size"]
-    return best, at_best
+    return best, at_best, reached_by
 
 
-def composition(alive: dict[int, dict], top: int) -> list[dict]:
+def composition(alive: dict[int, dict]) -> list[dict]:
     """The allocations alive at the peak grouped by source, largest total first."""
     by_source: dict[str, list[int]] = collections.defaultdict(list)
     for entry in alive.values():
         by_source[source_of(entry.get("frames", []))].append(entry["size"])
     rows = [{"source": source, "bytes": sum(sizes), "allocations": len(sizes)} for source, sizes in by_source.items()]
-    return sorted(rows, key=lambda row: -row["bytes"])[:top]
+    return sorted(rows, key=lambda row: -row["bytes"])
+
+
+_ALLOCATED_AS = re.compile(r"empty_strided_\w+\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)")
+
+
+def by_shape(rows: list[dict]) -> list[dict]:
+    """:func:`composition`'s rows summed by the shape and dtype that generated code allocated
+    them with ("other" where the source is not such an allocation), largest total first."""
+    groups: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for row in rows:
+        match = _ALLOCATED_AS.search(row["source"])
+        shape = f"({match.group(1)}) {match.group(2)}" if match else "other"
+        groups[shape][0] += row["bytes"]
+        groups[shape][1] += row["allocations"]
+    return sorted(({"shape": shape, "bytes": b, "allocations": n} for shape, (b, n) in groups.items()),
+                  key=lambda group: -group["bytes"])  # fmt: skip
 
 
 def main() -> int:
@@ -97,16 +119,20 @@ def main() -> int:
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     trace = snapshot["device_traces"][torch.cuda.current_device()]
-    step_peak, alive = peak_of(trace)
-    rows = composition(alive, args.top)
+    step_peak, alive, reached_by = peak_of(trace)
+    rows = composition(alive)
     result = {"model": args.model, "mode": args.mode, "batch": args.batch, "seq": args.seq,
               "baseline_bytes": baseline, "step_peak_above_baseline_bytes": step_peak,
-              "max_memory_allocated_bytes": torch.cuda.max_memory_allocated(),
-              "trace_entries": len(trace), "alive_at_peak": rows}  # fmt: skip
+              "max_memory_allocated_bytes": torch.cuda.max_memory_allocated(), "trace_entries": len(trace),
+              "peak_reached_by": source_of(reached_by.get("frames", [])) if reached_by else None,
+              "alive_at_peak_by_shape": by_shape(rows), "alive_at_peak": rows}  # fmt: skip
     write_result(for_this_card("peak_composition"), result)
     print(f"baseline {baseline / 2**30:.2f} GiB, step peak +{step_peak / 2**30:.2f} GiB, "
           f"max_memory_allocated {result['max_memory_allocated_bytes'] / 2**30:.2f} GiB")  # fmt: skip
-    for row in rows:
+    print(f"reached by {result['peak_reached_by']}")
+    for group in result["alive_at_peak_by_shape"]:
+        print(f"{group['bytes'] / 2**20:10.1f} MiB  x{group['allocations']:<4d} {group['shape']}")
+    for row in rows[: args.top]:
         print(f"{row['bytes'] / 2**20:10.1f} MiB  x{row['allocations']:<3d} {row['source']}")
     return 0
 

@@ -138,11 +138,27 @@ def test_peak_composition_replays_an_allocator_trace():
 
     trace = [alloc(1, 100, kernel), free(99), alloc(2, 50, kernel), alloc(3, 30, loss), free(1),
              alloc(4, 60, loss), free(2), free(3), free(4), alloc(5, 170, loss)]  # fmt: skip
-    best, alive = peak_of(trace)
-    assert best == 180 and set(alive) == {1, 2, 3}
-    rows = composition(alive, top=5)
+    best, alive, reached_by = peak_of(trace)
+    assert best == 180 and set(alive) == {1, 2, 3} and reached_by["addr"] == 3
+    rows = composition(alive)
     assert [(row["bytes"], row["allocations"]) for row in rows] == [(150, 2), (30, 1)]
     assert rows[0]["source"].startswith("cab.py:7") and rows[1]["source"].endswith("loss.py:3")
+
+
+def test_peak_composition_sums_what_generated_code_allocated_by_shape():
+    from benchmarks.peak_composition import by_shape
+
+    def row(source, size, count=1):
+        return {"source": source, "bytes": size, "allocations": count}
+
+    rows = [row("c.py:10  buf1 = empty_strided_cuda((1024, 14336), (14336, 1), torch.bfloat16)", 28),
+            row("c.py:20  buf9 = empty_strided_cuda((1024, 14336), (14336, 1), torch.bfloat16)", 28, 2),
+            row("c.py:30  buf4 = empty_strided_cuda((1024, 128256), (128256, 1), torch.bfloat16)", 250),
+            row("c.py:40  buf5 = empty_strided_cuda((1024, 14336), (14336, 1), torch.float32)", 56),
+            row("loss.py:3", 7)]  # fmt: skip
+    assert [(g["shape"], g["bytes"], g["allocations"]) for g in by_shape(rows)] == [
+        ("(1024, 128256) bfloat16", 250, 1), ("(1024, 14336) bfloat16", 56, 3),
+        ("(1024, 14336) float32", 56, 1), ("other", 7, 1)]  # fmt: skip
 
 
 def test_capacity_search_finds_the_largest_fitting_micro_batch():
