@@ -14,9 +14,11 @@ matmul whose weight forge updates in the step.
 :func:`reuse_buffers_past_ordering_deps` drops those users after the scheduler has computed
 its dependencies, for the compilation it wraps: a user of buffer ``B`` goes when each of its
 reads of ``B`` is a fake ``WeakDep``. The dependency itself stays on the node
-(``unmet_dependencies``, which orders the schedule), so the update still runs after the
-reader; only the in-place rule and the memory planner no longer see it. Overwriting ``B``
-cannot change what such a user computes: it never reads ``B``.
+(``unmet_dependencies``, from which the schedule and the memory planner's reordering take
+their order), so the update still runs after the reader. What no longer sees it are the
+checks of who reads ``B``: the in-place rule, and whether a fused kernel that writes ``B``
+must store it. Overwriting ``B``, or not storing it, cannot change what such a user
+computes: it never reads ``B``.
 
 Where this is not enough: torch 2.11's Triton code (generated on a CPU host for an 8B-wide
 model) fuses the cross-entropy backward into the forward's log-sum-exp kernel, and the
