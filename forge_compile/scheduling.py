@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import unittest.mock
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,5 @@ def reuse_buffers_past_ordering_deps():
         if dropped:
             log.debug("forge: %d ordering-only buffer users left out of Inductor's in-place reuse", dropped)
 
-    Scheduler.compute_dependencies = compute_dependencies
-    try:
+    with unittest.mock.patch.object(Scheduler, "compute_dependencies", compute_dependencies):
         yield
-    finally:
-        Scheduler.compute_dependencies = original

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import unittest.mock
 
 import pytest
 import torch
@@ -47,22 +48,16 @@ def _compiled_for_hopper(function, *args) -> list[str]:
             outcomes.append(f"{type(error).__name__}: {error}")
         raise _Stop
 
-    original_hash = triton_utils.triton_hash_with_backend
-    triton.compile = compile_for_hopper
     # Without a Triton CPU back end there is no active driver to name in Inductor's cache keys.
-    triton_utils.triton_hash_with_backend = lambda: "forge-hopper-check"
-    try:
-        with torch._inductor.config.patch(cpu_backend="triton", compile_threads=1, fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):  # fmt: skip
-            torch._dynamo.reset()
-            try:
-                torch.compile(function, backend="inductor")(*args)
-            except Exception:  # noqa: BLE001 - _Stop, wrapped by Inductor
-                pass
-    finally:
-        triton.compile = real_compile
-        triton_utils.triton_hash_with_backend = original_hash
+    with unittest.mock.patch.object(triton, "compile", compile_for_hopper), \
+            unittest.mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "forge-hopper-check"), \
+            torch._inductor.config.patch(cpu_backend="triton", compile_threads=1, fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):  # fmt: skip
         torch._dynamo.reset()
+        try:
+            torch.compile(function, backend="inductor")(*args)
+        except Exception:  # noqa: BLE001 - _Stop, wrapped by Inductor
+            pass
     return outcomes
 
 
