@@ -206,8 +206,10 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None 
         try:
             post_pass = ForgePostPass(torch._inductor.config.post_grad_custom_post_pass, recompute=compilation.recompute,
                                       backward_sources=backward_sources)  # fmt: skip
+            # Options the user gave (kwargs' config_patches) are applied inside compile_fx, over these.
+            step_settings = scheduling.settings_for_step_graphs() if record.has_backward or has_updates else {}
             with torch._inductor.config.patch(post_grad_custom_pre_pass=custom_pass, post_grad_custom_post_pass=post_pass,
-                                              **patches), _dumping(record), _forge_decompositions(), \
+                                              **{**step_settings, **patches}), _dumping(record), _forge_decompositions(), \
                     scheduling.reuse_buffers_past_ordering_deps():  # fmt: skip
                 return compile_fx(gm, example_inputs, **kwargs)
         finally:
