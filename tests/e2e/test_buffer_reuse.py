@@ -5,7 +5,11 @@ through a dependency on that matmul's output, the logits (forge_compile.scheduli
 cross-entropy backward must still write the logits' gradient in place: a second
 [tokens, vocabulary] buffer is 0.245 GiB at 8B."""
 
+import contextlib
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -65,3 +69,121 @@ def test_the_logits_gradient_is_written_over_the_logits(dropped, monkeypatch, no
     # With the ordering-only users kept, Inductor allocates the gradient beside the logits
     # (the behaviour before forge_compile.scheduling): the check below can tell the two apart.
     assert buffers == (1 if dropped else 2)
+
+
+# --- torch 2.11's Triton code needs two more adjustments (forge_compile.scheduling) ---------
+ROWS, COLUMNS = 64, 512
+
+
+def _cross_entropy_like(hidden, weight, labels, back):
+    """A head's logits, their log-sum-exp, a loss that gathers them at the labels and a
+    bf16 gradient the shape of the logits, used by a matmul."""
+    logits = hidden @ weight
+    x = logits.float()
+    top = x.amax(1, keepdim=True)
+    lse = (x - top).exp().sum(1, keepdim=True).log()
+    loss = -(x.gather(1, labels[:, None]) - top - lse).mean()
+    gradient = ((x - top - lse).exp() - F.one_hot(labels, COLUMNS)).div(ROWS).to(torch.bfloat16)
+    return loss, gradient @ back
+
+
+def _cross_entropy_inputs():
+    torch.manual_seed(0)
+    return (torch.randn(ROWS, 32, dtype=torch.bfloat16), torch.randn(32, COLUMNS, dtype=torch.bfloat16),
+            torch.randint(0, COLUMNS, (ROWS,)), torch.randn(COLUMNS, 32, dtype=torch.bfloat16))  # fmt: skip
+
+
+def _triton_wrapper_code(refuse_fusions: bool) -> str:
+    """Inductor's wrapper for :func:`_cross_entropy_like` with Triton kernels for the CPU,
+    under forge's adjustments (its kernels are written, not compiled: the host may have no
+    Triton CPU back end)."""
+    import unittest.mock
+
+    import torch.utils._triton as triton_utils
+    from torch._inductor.graph import GraphLowering
+
+    codes = []
+    patches = [unittest.mock.patch.object(GraphLowering, "save_output_code", codes.append),
+               unittest.mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "forge-reuse-check")]  # fmt: skip
+    if not refuse_fusions:
+        patches.append(unittest.mock.patch.object(scheduling, "_fusion_keeps_a_buffer_from_reuse", lambda *a: False))
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        stack.enter_context(torch._inductor.config.patch(cpu_backend="triton", compile_threads=1, fx_graph_cache=False))
+        stack.enter_context(scheduling.reuse_buffers_past_ordering_deps())
+        stack.enter_context(scheduling.reuse_buffers_read_by_a_later_gather())
+        torch._dynamo.reset()
+        try:
+            torch.compile(_cross_entropy_like)(*_cross_entropy_inputs())
+        except Exception:  # noqa: BLE001 - the kernels cannot be built here; the wrapper was written before
+            pass
+    assert codes, "Inductor wrote no wrapper"
+    return codes[-1]
+
+
+@pytest.mark.parametrize("refused", [True, False], ids=["forge", "fusion-kept"])
+def test_the_gradient_goes_over_logits_that_the_loss_gathers_from_triton_code(refused):
+    # Inductor writes Triton kernels only outside Triton's interpreter, which the suite turns
+    # on for the CPU (conftest.py): the child runs without it, with tests/ importable.
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, environment.get("PYTHONPATH")]))
+    child = subprocess.run([sys.executable, __file__, "triton", str(int(refused))], env=environment,
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    buffers = int(child.stdout.strip().splitlines()[-1])
+    # Fused with the log-sum-exp reduction, the gradient is computed before the loss gathers
+    # from the logits, and gets a buffer of its own (torch 2.11 and 2.13 alike).
+    assert buffers == (1 if refused else 2)
+
+
+def test_the_refused_fusion_computes_the_same_values(no_inductor_cache):
+    inputs = _cross_entropy_inputs()
+    torch._dynamo.reset()
+    with scheduling.reuse_buffers_past_ordering_deps(), scheduling.reuse_buffers_read_by_a_later_gather():
+        loss, product = torch.compile(_cross_entropy_like)(*inputs)
+    expected_loss, expected_product = _cross_entropy_like(*inputs)
+    torch.testing.assert_close(loss, expected_loss)
+    torch.testing.assert_close(product, expected_product, rtol=2e-2, atol=2e-2)  # bf16 matmuls
+
+
+def _two_branches_then_a_cast(a, b, c, d):
+    """A pointwise value of more than 30 operations (two branches of 15, joined at the end)
+    whose only use is a cast to bf16."""
+    x = (a @ b).float()
+    p, q = x, d
+    for _ in range(5):
+        p = torch.sin(p) * 0.5 + p
+        q = torch.cos(q) * 0.5 - q
+    return (p + q).to(torch.bfloat16) @ c
+
+
+@pytest.mark.parametrize("rule", [True, False], ids=["forge", "without-the-cast-rule"])
+def test_a_large_value_used_only_by_its_cast_is_stored_as_the_cast(rule, monkeypatch, no_inductor_cache):
+    from torch._inductor.graph import GraphLowering
+
+    if not rule:
+        monkeypatch.setattr(scheduling, "_only_a_cast_follows", lambda node: False)
+    buffers = []
+    original = GraphLowering.codegen
+
+    def codegen(self, *args, **kwargs):
+        buffers.extend((b.get_dtype(), tuple(b.get_size())) for b in self.buffers)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GraphLowering, "codegen", codegen)
+    torch.manual_seed(0)
+    inputs = (torch.randn(ROWS, 32, dtype=torch.bfloat16), torch.randn(32, COLUMNS, dtype=torch.bfloat16),
+              torch.randn(COLUMNS, 32, dtype=torch.bfloat16), torch.randn(ROWS, 1))  # fmt: skip
+    torch._dynamo.reset()
+    # The GPU's threshold (a CPU's is 50 with torch 2.13).
+    with scheduling.reuse_buffers_read_by_a_later_gather(), torch._inductor.config.patch(realize_opcount_threshold=30):
+        result = torch.compile(_two_branches_then_a_cast)(*inputs)
+    torch.testing.assert_close(result, _two_branches_then_a_cast(*inputs), rtol=2e-2, atol=5e-2)
+    fp32_values = [shape for dtype, shape in buffers if dtype == torch.float32 and shape == (ROWS, COLUMNS)]
+    assert len(fp32_values) == (0 if rule else 1)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["triton"]:
+    print(sum(_allocations_of(code, ROWS * COLUMNS) for code in [_triton_wrapper_code(bool(int(sys.argv[2])))]))
