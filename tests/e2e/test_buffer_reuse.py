@@ -3,7 +3,8 @@
 The fused update of the output head is ordered after the matmul that read its old weight
 through a dependency on that matmul's output, the logits (forge_compile.scheduling). The
 cross-entropy backward must still write the logits' gradient in place: a second
-[tokens, vocabulary] buffer is 0.245 GiB at 8B."""
+[tokens, vocabulary] buffer is 0.245 GiB at 8B. Torch 2.11's Triton code needs two more
+adjustments, each checked on its own below: a fusion refused and a cast stored."""
 
 import contextlib
 import os
