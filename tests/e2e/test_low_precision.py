@@ -427,8 +427,11 @@ def test_int8_states_of_an_unfused_embedding_compile_to_the_same_step(device, wi
         sizes = [math.prod(int(d) for d in dims.split(",") if d.strip())
                  for dims in re.findall(r"empty_strided_cuda\(\(([\d, ]*)\), \([\d, ]*\), torch\.float32\)", "\n".join(code))]  # fmt: skip
         whole = [size for size in sizes if size >= vocabulary * width]
-        # A width that is not whole blocks stores the new weight padded, before it is cut back (ops._from_blocks).
-        assert len(whole) <= (0 if width % 64 == 0 else 1), f"new fp32 states stored whole: {whole} elements"
+        # The new (fp32) weight is stored in the blocks' shape it was computed in
+        # (ops._stored_as_computed; padded where the width is not whole blocks) before it is
+        # copied into the parameter: the H100 stores it for width 256 too. The two new
+        # moments would be two more (before 9e98bc1 the H100 stored four such buffers).
+        assert len(whole) <= 1, f"new fp32 states stored whole: {whole} elements"
 
 
 def test_bf16_llama_with_nearest_rounding_tracks_torch_and_stochastic_rounding_moves_more_weights():
