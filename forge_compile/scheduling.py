@@ -62,13 +62,15 @@ more (:func:`reuse_buffers_read_by_a_later_gather`), each alone changes nothing 
 
 Together, in torch 2.11's Triton code for the 2-layer 8B-wide step (generated on a CPU
 host), the step's own buffers peak at 0.446 GiB instead of 0.657 GiB: the logits'
-gradient is written over the logits. There the cast rule changes how the gradient's two
-nodes are stored, and one copy at the end; Inductor then also fuses the rotary embedding
-that the backward rebuilds differently (with the rule off, that returns along with the
-gradient's own buffer): the key rotated and repeated to 32 heads is computed with the
-forward's kernels and kept, so at the loss 22 MiB of attention values are alive for the
-2 layers instead of 12. On an H100 the 8B step's peak went from 48.27 to 48.05 GiB with
-both adjustments.
+gradient is written over the logits. There the cast rule skips the gradient's two fp32
+nodes, an fp32 [1, 1024, 4096] sum, and the fp32 results of the stochastic rounding of
+the unfused updates (embedding, norms) before their bf16 casts. Inductor then also fuses
+the rotary embedding that the backward rebuilds differently: the key rotated and repeated
+to 32 heads is computed with the forward's kernels and kept, so at the loss 22 MiB of
+attention values are alive for the 2 layers instead of 12. That comes with the gradient
+in place, not with the other skipped nodes: a rule limited to values computed from a
+gathered tensor (tried) skips only the gradient's nodes and shows it too. On an H100 the
+8B step's peak went from 48.27 to 48.05 GiB with both adjustments.
 """
 
 from __future__ import annotations
