@@ -127,6 +127,22 @@ TRITON_AVAILABLE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not TRITON_AVAILABLE, reason="needs a GPU or TRITON_INTERPRET=1")
 
 
+def last_line_outside_the_interpreter(script: str, *arguments: str) -> str:
+    """Run ``script`` in a child process without Triton's interpreter, which the suite turns
+    on for the CPU (conftest.py) and under which Inductor writes no Triton kernels, with
+    tests/ importable; the last line it printed."""
+    import subprocess
+    import sys
+
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tests = os.path.dirname(os.path.abspath(__file__))
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, environment.get("PYTHONPATH")]))
+    child = subprocess.run([sys.executable, script, *arguments], env=environment, capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    return child.stdout.strip().splitlines()[-1]
+
+
 # --- the 8-bit code's round-trip bounds (forge_compile/rules/storage.py), stated independently ---
 def block_absmax(x: torch.Tensor) -> torch.Tensor:
     """Each element's block scale: the largest |x| of its run of 64 along the row."""

@@ -7,15 +7,13 @@ cross-entropy backward must still write the logits' gradient in place: a second
 adjustments, each checked on its own below: a fusion refused and a cast stored."""
 
 import contextlib
-import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import max_param_error, sgd_at_lr_1_side_by_side
+from helpers import last_line_outside_the_interpreter, max_param_error, sgd_at_lr_1_side_by_side
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
@@ -125,15 +123,7 @@ def _triton_wrapper_code(refuse_fusions: bool) -> str:
 
 @pytest.mark.parametrize("refused", [True, False], ids=["forge", "fusion-kept"])
 def test_the_gradient_goes_over_logits_that_the_loss_gathers_from_triton_code(refused):
-    # Inductor writes Triton kernels only outside Triton's interpreter, which the suite turns
-    # on for the CPU (conftest.py): the child runs without it, with tests/ importable.
-    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, environment.get("PYTHONPATH")]))
-    child = subprocess.run([sys.executable, __file__, "triton", str(int(refused))], env=environment,
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert child.returncode == 0, child.stderr[-3000:]
-    buffers = int(child.stdout.strip().splitlines()[-1])
+    buffers = int(last_line_outside_the_interpreter(__file__, "triton", str(int(refused))))
     # Fused with the log-sum-exp reduction, the gradient is computed before the loss gathers
     # from the logits, and gets a buffer of its own (torch 2.11 and 2.13 alike).
     assert buffers == (1 if refused else 2)
@@ -187,4 +177,4 @@ def test_a_large_value_used_only_by_its_cast_is_stored_as_the_cast(rule, monkeyp
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["triton"]:
-    print(sum(_allocations_of(code, ROWS * COLUMNS) for code in [_triton_wrapper_code(bool(int(sys.argv[2])))]))
+    print(_allocations_of(_triton_wrapper_code(bool(int(sys.argv[2]))), ROWS * COLUMNS))

@@ -18,8 +18,6 @@ import forge_compile
 transformers = pytest.importorskip("transformers")
 
 VOCAB, TOKENS, LR, STEPS = 2048, 64, 1e-3, 3
-_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.int64: 8, torch.int32: 4, torch.bool: 1,
-          torch.int8: 1, torch.uint8: 1}  # fmt: skip
 _ALLOCATION = re.compile(r"^\s*(buf\w+) = empty_strided_\w+\(\(([^)]*)\), \(([^)]*)\), torch\.(\w+)\)")
 _REUSE = re.compile(r"^\s*(buf\w+) = (?:reinterpret_tensor\()?(buf\w+)\b.*; del (buf\w+)\s+# reuse")
 _DELETION = re.compile(r"^\s*del (buf\w+)\s*$")
@@ -37,7 +35,7 @@ def wrapper_peak_bytes(code: str) -> int:
             sizes = [int(s) for s in shape.split(",") if s.strip()]
             strides = [int(s) for s in stride.split(",") if s.strip()]
             elements = 1 + sum((size - 1) * step for size, step in zip(sizes, strides)) if sizes else 1
-            alive[name] = elements * _BYTES[getattr(torch, dtype)]
+            alive[name] = elements * getattr(torch, dtype).itemsize
             current += alive[name]
             peak = max(peak, current)
         elif match := _REUSE.match(line):

@@ -11,13 +11,12 @@ on for the CPU (conftest.py), so each check runs in a child process without it.
 """
 
 import json
-import os
-import subprocess
 import sys
 import unittest.mock
 
 import pytest
 import torch
+from helpers import last_line_outside_the_interpreter
 
 import forge_compile  # noqa: F401  (torch.ops.forge.*)
 from forge_compile import ops
@@ -73,11 +72,7 @@ def _rounding_outcomes(first_row: int) -> list[str]:
 
 @pytest.mark.parametrize("first_row", [0, 2**25], ids=["first-rows", "rows-2-to-the-25-in"])
 def test_the_stochastic_rounding_lowering_compiles_for_hopper(first_row):
-    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    child = subprocess.run([sys.executable, __file__, str(first_row)], env=environment, capture_output=True,
-                           text=True, timeout=300)  # fmt: skip
-    assert child.returncode == 0, child.stderr[-3000:]
-    outcomes = json.loads(child.stdout.strip().splitlines()[-1])
+    outcomes = json.loads(last_line_outside_the_interpreter(__file__, str(first_row)))
     if outcomes and outcomes[0].startswith("skip:"):
         pytest.skip(outcomes[0][5:])
     assert outcomes == ["ok"]
