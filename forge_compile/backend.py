@@ -211,7 +211,8 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None 
             with torch._inductor.config.patch(post_grad_custom_pre_pass=custom_pass, post_grad_custom_post_pass=post_pass,
                                               **{**step_settings, **patches}), _dumping(record), _forge_decompositions(), \
                     scheduling.reuse_buffers_past_ordering_deps(), \
-                    scheduling.reuse_buffers_read_by_a_later_gather():  # fmt: skip
+                    scheduling.reuse_buffers_read_by_a_later_gather(), \
+                    scheduling.keep_backward_work_in_the_backward():  # fmt: skip
                 return compile_fx(gm, example_inputs, **kwargs)
         finally:
             _compilations.pop()

@@ -213,6 +213,49 @@ def _only_a_cast_follows(node) -> bool:
     return False
 
 
+def _side_of_the_cut(node) -> str | None:
+    """``"backward"`` when one of the scheduler node's FX origins comes after the recompute
+    pass's cut (a forward value it inlines does not make it a forward node), ``"forward"``
+    when all of them come before it, None when the graph was not marked."""
+    from .passes.recompute_activations import IN_BACKWARD
+
+    marks = {origin.meta.get(IN_BACKWARD) for part in node.get_nodes()
+             for origin in (getattr(getattr(part, "node", None), "origins", None) or ())}  # fmt: skip
+    if True in marks:
+        return "backward"
+    return "forward" if marks == {False} else None
+
+
+@contextlib.contextmanager
+def keep_backward_work_in_the_backward():
+    """Within the block, Inductor does not fuse a node of the forward with one of the
+    backward (as the recompute pass marked them): such a kernel computes the backward's
+    part in the forward, and its outputs stay alive across the step's peak (see the module
+    docstring). Process-wide while it lasts, like :func:`reuse_buffers_past_ordering_deps`."""
+    try:
+        from torch._inductor.scheduler import Scheduler
+    except ImportError:
+        yield
+        return
+    original_can_fuse = getattr(Scheduler, "can_fuse", None)
+    if original_can_fuse is None:
+        yield
+        return
+
+    @functools.wraps(original_can_fuse)
+    def can_fuse(self, node1, node2, *args, **kwargs) -> bool:
+        if not original_can_fuse(self, node1, node2, *args, **kwargs):
+            return False
+        if {_side_of_the_cut(node1), _side_of_the_cut(node2)} == {"forward", "backward"}:
+            log.debug("forge: %s and %s not fused: one is forward, the other backward work",
+                      node1.get_name(), node2.get_name())  # fmt: skip
+            return False
+        return True
+
+    with unittest.mock.patch.object(Scheduler, "can_fuse", can_fuse):
+        yield
+
+
 @contextlib.contextmanager
 def reuse_buffers_read_by_a_later_gather():
     """Within the block, Inductor refuses the fusions that would keep a buffer read by a

@@ -64,15 +64,29 @@ def recompute_activations(graph: fx.Graph, backward_sources: frozenset[str] = fr
     plan = _Liveness(graph, backward_sources)
     if plan.cut is None:
         return 0
+    forward = [node for node, position in plan.order.items() if position < plan.cut]
     chosen = _rebuildable_set(plan)
+    if chosen:
+        _rebuild_backward_uses(graph, chosen, plan)
+        graph.eliminate_dead_code()
+    _mark_backward(graph, forward)
     if not chosen:
         return 0
-    _rebuild_backward_uses(graph, chosen, plan)
-    graph.eliminate_dead_code()
     if log.isEnabledFor(logging.DEBUG):  # the simulation after the rewrite is for this line alone
         log.debug("forge: recomputed %d forward values in the backward; simulated peak %.1f -> %.1f MiB",
                   len(chosen), plan.peak_bytes / 2**20, simulated_peak_bytes(graph) / 2**20)  # fmt: skip
     return len(chosen)
+
+
+# Set on every node after the cut, the rebuilt values included: the scheduler keeps Inductor
+# from fusing them with forward nodes (scheduling.keep_backward_work_in_the_backward).
+IN_BACKWARD = "forge_in_backward"
+
+
+def _mark_backward(graph: fx.Graph, forward: list[Node]) -> None:
+    before_cut = set(forward)
+    for node in graph.nodes:
+        node.meta[IN_BACKWARD] = node not in before_cut
 
 
 def simulated_peak_bytes(graph: fx.Graph) -> int:
