@@ -38,6 +38,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import decompositions, dtensor, dump, explain, lowerings, ops, scheduling  # noqa: F401  (torch.ops.forge.* and their Inductor lowerings)
 from .config import config
+from .passes.chunk_head_loss import chunk_head_losses
 from .passes.fuse_linear_update import decompose_update, fuse_linear_updates, keep_fused_updates_after_reads
 from .passes.recompute_activations import recompute_activations
 
@@ -68,7 +69,7 @@ _compilations: list[_Compilation] = []
 def _source_hash() -> str:
     """Hash of the code that decides the rewrite and its lowering: a change invalidates Inductor's cache."""
     digest = hashlib.sha256()
-    for path in sorted([*_PACKAGE.glob("passes/*.py"), *_PACKAGE.glob("rules/*.py"), _PACKAGE / "ops.py",
+    for path in sorted([*_PACKAGE.glob("passes/*.py"), *_PACKAGE.glob("rules/*.py"), _PACKAGE / "ops.py", _PACKAGE / "head_loss.py",
                         _PACKAGE / "lowerings.py", _PACKAGE / "decompositions.py", _PACKAGE / "backend.py",
                         _PACKAGE / "scheduling.py"]):  # fmt: skip
         digest.update(path.read_bytes())
@@ -197,6 +198,9 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None 
         has_backward=bool(backward_sources),
     )
     has_updates = any(n.target in _UPDATE_TARGETS for n in gm.graph.nodes)
+    # Before AOTAutograd traces the backward from it: the head's loss in vocabulary chunks.
+    if record.has_backward and config.chunk_head_loss and chunk_head_losses(gm.graph):
+        gm.recompile()
     names, record.input_ids = _input_names(gm)
     compilation = _Compilation(record, names, _decision_key(gm, example_inputs), config.fuse,
                                recompute=record.has_backward and config.recompute_activations)

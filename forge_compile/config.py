@@ -49,6 +49,16 @@ class ForgeConfig:
     (forge's one-graph step is never partitioned). Lowers the step's peak memory; see
     passes/recompute_activations.py."""
 
+    chunk_head_loss: bool = True
+    """In a compiled step, compute ``cross_entropy(linear(hidden, weight).float())`` (a
+    causal LM's head and loss) over chunks of the vocabulary, so that the logits and their
+    gradient never exist whole, and fuse the head's update chunk by chunk; see head_loss.py
+    and passes/chunk_head_loss.py."""
+
+    head_chunk_columns: int = 0
+    """Vocabulary columns per chunk of the chunked head loss; 0 chooses them from the
+    number of tokens (head_loss.chunk_columns)."""
+
     dump_dir: str | None = None
     """A folder for each compiled graph's post-grad graph before and after the rewrite,
     its decisions (JSON) and Inductor's output code (see forge_compile.dump). Graphs are
@@ -80,6 +90,8 @@ def _from_environment() -> ForgeConfig:
             if raw.lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
                 raise ValueError(f"forge: FORGE_{f.name.upper()}={raw!r} is not a boolean (use 0 or 1)")
             overrides[f.name] = raw.lower() in ("1", "true", "yes", "on")
+        elif f.type in ("int", int):
+            overrides[f.name] = int(raw)
         else:
             overrides[f.name] = raw
     return ForgeConfig(**overrides)

@@ -333,7 +333,7 @@ _LIBRARY = torch.library.Library("forge", "FRAGMENT")
 _LIBRARY.define(
     "fused_linear_update_(Tensor(a0!) weight, Tensor grad_output_t, Tensor input, Tensor(a3!)[] states, Tensor step, "
     "Tensor[] hyperparameters, str rule, SymInt[] options, float? grad_min=None, float? grad_max=None, "
-    "bool quantized_states=False, SymInt? rounding_seed=None) -> ()"
+    "bool quantized_states=False, SymInt? rounding_seed=None, SymInt first_row=0) -> ()"
 )
 
 
@@ -350,13 +350,17 @@ def fused_linear_update_(
     grad_max: Optional[float] = None,
     quantized_states: bool = False,
     rounding_seed: Optional[int] = None,
+    first_row: int = 0,
 ) -> None:
     """Update ``weight`` and ``states`` in place with the gradient ``grad_output_t @ input``.
 
     ``grad_output_t`` is [out_features, tokens] and ``input`` [tokens, in_features], any
     strides; the gradient is accumulated in fp32 and never stored. ``grad_min``/``grad_max``
     clamp it first, as ``torch.nn.utils.clip_grad_value_`` does. ``quantized_states`` and
-    ``rounding_seed`` as for ``forge::optimizer_update``.
+    ``rounding_seed`` as for ``forge::optimizer_update``. ``first_row``: ``weight`` and
+    ``states`` are the rows from ``first_row`` on of a parameter (the chunked head loss
+    updates its weight by row blocks), so that stochastic rounding draws what the whole
+    parameter's update would for them.
 
     Example::
 
@@ -375,10 +379,11 @@ def fused_linear_update_(
         from .kernels.linear_update import fused_linear_update
 
         fused_linear_update(the_rule, weight, grad_output_t, input, states, step, hyperparameters, tuple(options),
-                            grad_min, grad_max, quantized_states, rounding_seed)  # fmt: skip
+                            grad_min, grad_max, quantized_states, rounding_seed, first_row)  # fmt: skip
     else:
         _fused_linear_update_torch(the_rule, weight, grad_output_t, input, states, step, hyperparameters,
-                                   tuple(options), grad_min, grad_max, quantized_states, rounding_seed)  # fmt: skip
+                                   tuple(options), grad_min, grad_max, quantized_states, rounding_seed,
+                                   first_row)  # fmt: skip
     # What custom_op's ADInplaceOrView pass would do: mark the written tensors as changed.
     torch.autograd.graph.increment_version([weight, *states])
 
@@ -427,7 +432,8 @@ _LIBRARY.impl("fused_linear_update_", _fused_linear_update_below_autograd, "Auto
 
 @torch.library.register_fake("forge::fused_linear_update_")
 def _fused_linear_update_fake(weight, grad_output_t, input, states, step, hyperparameters, rule, options,
-                              grad_min=None, grad_max=None, quantized_states=False, rounding_seed=None):  # fmt: skip
+                              grad_min=None, grad_max=None, quantized_states=False, rounding_seed=None,
+                              first_row=0):  # fmt: skip
     return None
 
 
@@ -440,7 +446,8 @@ def _use_triton(weight: Tensor) -> bool:
 
 
 def _fused_linear_update_torch(rule, weight, grad_output_t, input, states, step, hyperparameters, options,
-                               grad_min=None, grad_max=None, quantized_states=False, rounding_seed=None):  # fmt: skip
+                               grad_min=None, grad_max=None, quantized_states=False, rounding_seed=None,
+                               first_row=0):  # fmt: skip
     """The fused op's math with torch ops: fp32 gradient of a row chunk, then the rule."""
     rows_per_chunk = max(1, _CPU_CHUNK_ELEMENTS // max(1, weight.shape[1]))
     input32 = input.to(torch.float32)
@@ -451,7 +458,7 @@ def _fused_linear_update_torch(rule, weight, grad_output_t, input, states, step,
             grad = grad.clamp(grad_min, grad_max)
         new_weight, new_states = apply_rule(
             rule, weight[rows], grad, [s[rows] for s in states], step, hyperparameters, options,
-            quantized_states, rounding_seed, first_row=start,
+            quantized_states, rounding_seed, first_row=first_row + start,
         )  # fmt: skip
         weight[rows].copy_(new_weight)
         for state, new in zip(states, new_states):

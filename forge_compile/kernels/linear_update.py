@@ -406,11 +406,13 @@ def fused_linear_update(
     grad_max: float | None = None,
     quantized_states: bool = False,
     rounding_seed: int | None = None,
+    first_row: int = 0,
 ) -> None:
     """Update ``weight``/``states`` in place with ``grad_output_t @ input``, clamped to
     ``[grad_min, grad_max]`` first where given. With ``quantized_states``, ``states`` are
     8-bit codes followed by their scales; ``rounding_seed`` rounds a bf16 weight
-    stochastically (:mod:`forge_compile.rules.storage`).
+    stochastically (:mod:`forge_compile.rules.storage`), ``weight`` being the rows from
+    ``first_row`` on of the parameter.
 
     Runs the fused kernel, or the chunked path (cuBLAS writes the fp32 gradient of a
     block of rows, the same kernel consumes it), as ``config.linear_update_path`` says;
@@ -449,11 +451,12 @@ def fused_linear_update(
     if path == "fused":  # the default, straight through: this runs for every fused weight of every step
         _launch(rule, weight, grad_output_t, input, states=states, step=step, hyperparameters=hyperparameters,
                 options=options, grad_min=grad_min, grad_max=grad_max, quantized_states=quantized_states,
-                rounding_seed=rounding_seed)  # fmt: skip
+                rounding_seed=rounding_seed, first_row=first_row)  # fmt: skip
         return
     update = functools.partial(_launch, rule, weight, states=states, step=step, hyperparameters=hyperparameters,
                                options=options, grad_min=grad_min, grad_max=grad_max,
-                               quantized_states=quantized_states, rounding_seed=rounding_seed)  # fmt: skip
+                               quantized_states=quantized_states, rounding_seed=rounding_seed,
+                               first_row=first_row)  # fmt: skip
 
     def fused():
         update(grad_output_t, input)
@@ -472,12 +475,12 @@ def fused_linear_update(
 
 
 def _launch(rule, weight, a, b, *, states, step, hyperparameters, options, grad_min, grad_max, quantized_states,
-            rounding_seed, block=None):  # fmt: skip
-    """One kernel launch. ``b`` None: ``a`` is a given fp32 gradient of the rows ``block``."""
+            rounding_seed, first_row=0, block=None):  # fmt: skip
+    """One kernel launch. ``b`` None: ``a`` is a given fp32 gradient of the rows ``block``.
+    ``first_row``: the parameter's row of ``weight``'s first (stochastic rounding's index)."""
     gradient_given = b is None
-    first_row = 0
     if block is not None:
-        first_row = block.start
+        first_row += block.start
         weight = weight[block]
         states = [s[block] for s in states]  # codes and scales both start with the rows
     M, N = weight.shape

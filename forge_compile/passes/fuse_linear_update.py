@@ -32,7 +32,7 @@ import torch
 from torch import fx
 from torch.fx import Node
 
-from .. import explain, ops, rules
+from .. import explain, head_loss, ops, rules  # noqa: F401  (torch.ops.forge.*)
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -115,6 +115,17 @@ def fuse_linear_updates(graph: fx.Graph, name_of: Callable[[Node], str], fuse: b
         )
         decision.chain = [update.name] + ([update.args[1].name] if isinstance(update.args[1], Node) else [])
         try:
+            head = _match_chunked_head(update)
+            if head is not None:
+                decision.chain = [update.name] + [n.name for n in head.chain]
+                if not fuse:
+                    raise Rejection(explain.DISABLED, "fusion disabled (forge_compile.config.fuse is False)")
+                gradient_bytes = _bytes(head.chain[-1])
+                _rewrite_chunked_head(graph, head)
+                decision.fused = True
+                decision.gradient_bytes = gradient_bytes
+                decisions.append(decision)
+                continue
             candidate = _match(update)
             decision.chain = [update.name] + [n.name for n in candidate.chain]
             if not fuse:
@@ -399,6 +410,116 @@ def _gradient_bytes(candidate: _Candidate) -> int:
     mm = candidate.chain[-1].meta["val"]
     return mm.numel() * mm.element_size()
 
+
+# --- the chunked head loss (head_loss.py) ------------------------------------------------------
+
+_HEAD_BACKWARD = torch.ops.forge.linear_cross_entropy_backward.default
+_HEAD_BACKWARD_UPDATE = torch.ops.forge.linear_cross_entropy_backward_update_.default
+
+
+@dataclass
+class _ChunkedHead:
+    update: Node
+    backward: Node
+    """``forge.linear_cross_entropy_backward``: (grad_hidden, grad_weight)."""
+    copies: list[Node]
+    chain: list[Node]
+    """The weight gradient's nodes from the update back to (and including) its getitem."""
+    grad_min: float | None
+    grad_max: float | None
+    quantized_states: bool
+    rounding_seed: int | None
+
+
+def _bytes(node: Node) -> int:
+    value = node.meta["val"]
+    return value.numel() * value.element_size()
+
+
+def _match_chunked_head(update: Node) -> _ChunkedHead | None:
+    """The update of a head weight whose gradient is the chunked head loss's, when the update
+    can run chunk by chunk inside that backward. None when the gradient is not that op's; a
+    Rejection when it is but cannot be fused (the update then reads the whole gradient)."""
+    param, grad, states = update.args[:3]
+    quantized_states, rounding_seed = _storage_arguments(update)
+    chain, node, low, high = [], grad, None, None
+    while isinstance(node, Node) and node.op == "call_function":
+        chain.append(node)
+        if node.target is operator.getitem:
+            break
+        if node.target in _CLAMPS:  # clip_grad_value_: the fused op clamps each fp32 gradient tile
+            node_low, node_high = _clamp_bounds(node)
+            if (node_low is not None and low is not None) or (node_high is not None and high is not None):
+                return None
+            low = node_low if node_low is not None else low
+            high = node_high if node_high is not None else high
+        elif not (_is_plain_cast(node) or (node.target in _SAME_SHAPE_OPS and _shape(node) == _shape(node.args[0]))):
+            return None
+        node = node.args[0]
+    else:
+        return None
+    backward = node.args[0]
+    if not isinstance(backward, Node) or backward.target is not _HEAD_BACKWARD or node.args[1] != 1:
+        return None
+    if not isinstance(param, Node) or param.op != "placeholder" or backward.args[2] is not param:
+        raise Rejection(explain.NOT_AN_INPUT, "the head loss's weight is not the updated graph input")
+    weight = param.meta["val"]
+    if weight.dtype not in _FUSABLE_DTYPES:
+        raise Rejection(explain.UNSUPPORTED_DTYPE, f"weight dtype {weight.dtype} is not fp32, bf16 or fp16")
+    for state in states:
+        if not isinstance(state, Node) or state.op != "placeholder":
+            raise Rejection(explain.NOT_AN_INPUT, "an optimizer state is created inside the graph, not passed in")
+        value = state.meta["val"]
+        if value.dtype not in _FUSABLE_DTYPES + ((torch.int8, torch.uint8) if quantized_states else ()):
+            raise Rejection(explain.UNSUPPORTED_DTYPE, f"state dtype {value.dtype} is not fp32/bf16/fp16")
+        if value.dim() != 2 or value.shape[0] != weight.shape[0]:
+            raise Rejection(explain.UNSUPPORTED_DTYPE, "an optimizer state is not laid out by the weight's rows")
+    if low is not None and high is not None and low > high:
+        raise Rejection(explain.NOT_A_MATMUL, f"gradient clamped to crossed bounds [{low}, {high}]")
+    copies = _copies_back(update, [param, *states])
+    _check_single_consumer(chain)
+    return _ChunkedHead(update, backward, copies, chain, low, high, quantized_states, rounding_seed)
+
+
+def _rewrite_chunked_head(graph: fx.Graph, head: _ChunkedHead) -> None:
+    """``forge.linear_cross_entropy_backward_update_`` in place of the backward, the update
+    and the copies back; the step's scalars move up to it."""
+    update, backward = head.update, head.backward
+    param, _, states, step, hyperparameters, rule, options = update.args[:7]
+    removed = {*head.chain, update, *head.copies, *update.users, backward}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for base in [param, *states]:
+        aliases = _aliases(base)
+        for alias in aliases:
+            for user in alias.users:
+                if user not in removed and user not in aliases and order[user] > order[backward]:
+                    raise Rejection(explain.ORDERING, "the head's weight or a state is read after the loss's backward")
+    grad_loss, hidden, _, labels, lse, ignore_index, reduction = backward.args[:7]
+    with graph.inserting_after(backward):
+        fused = graph.call_function(_HEAD_BACKWARD_UPDATE, (grad_loss, hidden, param, labels, lse, ignore_index,
+                                                            reduction, list(states), step, list(hyperparameters),
+                                                            rule, list(options), head.grad_min, head.grad_max,
+                                                            head.quantized_states, head.rounding_seed))  # fmt: skip
+    fused.meta["val"] = backward.meta["val"][0]
+    fused.meta["stack_trace"] = update.meta.get("stack_trace")
+    for needed in [step, *hyperparameters]:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if order[needed] > order[fused] and not _hoist_ordered(needed, fused, order):
+            graph.erase_node(fused)
+            raise Rejection(explain.ORDERING, "the optimizer's step scalars are computed after the head loss's backward")
+    for item in list(backward.users):
+        if item.args[1] == 0:
+            item.replace_all_uses_with(fused)
+            graph.erase_node(item)
+    for copy in head.copies:
+        graph.erase_node(copy)
+    for out in list(update.users):
+        graph.erase_node(out)
+    graph.erase_node(update)
+    for node in head.chain:
+        if not node.users:
+            graph.erase_node(node)
+    graph.erase_node(backward)
 
 # --- rewriting --------------------------------------------------------------------------------
 

@@ -1,0 +1,188 @@
+"""The output head and its cross-entropy in vocabulary chunks: the logits never exist whole.
+
+A causal LM's last linear layer makes ``[tokens, vocabulary]`` logits (Llama-3.1-8B at
+1 x 1024 tokens: 0.245 GiB in bf16), and cross-entropy's backward turns them into a
+gradient of the same size. Both are alive at the start of the backward, the step's peak.
+``passes/chunk_head_loss`` replaces ``cross_entropy(linear(hidden, weight).float())`` in
+the traced step by :func:`linear_cross_entropy`, which computes the loss over column
+chunks of the vocabulary with a running log-sum-exp, and whose backward computes each
+chunk's logits again (one more head matmul, 1.1 TFLOP at 8B) to form that chunk's
+gradient. When forge fuses the head's optimizer update, ``passes/fuse_linear_update``
+replaces the backward and the update by :func:`linear_cross_entropy_backward_update_`,
+which updates the weight's rows of each chunk with ``forge::fused_linear_update_`` as soon
+as that chunk's gradient exists: neither the logits, their gradient, nor the weight's
+gradient is ever stored whole.
+
+The math is cross-entropy's: ``loss = mean or sum over rows whose label is not
+ignore_index of (logsumexp(logits) - logits[label])``; the logits are rounded to the
+weight's dtype before the fp32 math, as ``linear(...).float()`` does, and the logits'
+gradient ``(softmax - one_hot) * scale`` is rounded to it before the matmuls, as autograd
+does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .config import config
+
+# A chunk's fp32 logits take about this many bytes: the chunk's temporaries (its logits in
+# the weight's dtype and in fp32, their gradient) are what the step holds in place of the
+# whole logits. At 1 x 1024 tokens that is 2048 columns, 63 chunks for a 128256 vocabulary.
+_CHUNK_BYTES = 8 << 20
+# ... but at least this many columns: with many tokens the chunks stay large enough for the
+# matmuls and the fused update's launches to run at speed.
+_MIN_CHUNK_COLUMNS = 1024
+
+
+def chunk_columns(rows: int, vocabulary: int) -> int:
+    """Columns of the vocabulary in one chunk for ``rows`` tokens (a multiple of 128, so
+    that a chunk of weight rows starts on an aligned address)."""
+    if config.head_chunk_columns:
+        return min(vocabulary, config.head_chunk_columns)
+    columns = max(_MIN_CHUNK_COLUMNS, _CHUNK_BYTES // (4 * max(1, rows))) // 128 * 128
+    return min(vocabulary, columns)
+
+
+def _check(hidden: Tensor, weight: Tensor, labels: Tensor, reduction: str) -> None:
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"forge: linear_cross_entropy's reduction must be 'mean' or 'sum', got {reduction!r}")
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"forge: linear_cross_entropy needs hidden [..., {weight.shape[-1]}] and weight [V, D], "
+                         f"got {tuple(hidden.shape)} and {tuple(weight.shape)}")  # fmt: skip
+    if labels.numel() * hidden.shape[-1] != hidden.numel():
+        raise ValueError(f"forge: linear_cross_entropy needs one label per row of hidden, got {labels.numel()} labels "
+                         f"for {hidden.numel() // max(1, hidden.shape[-1])} rows")  # fmt: skip
+
+
+def _chunks(rows: int, vocabulary: int):
+    step = chunk_columns(rows, vocabulary)
+    for first in range(0, vocabulary, step):
+        yield first, min(first + step, vocabulary)
+
+
+@torch.library.custom_op("forge::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int,
+                         reduction: str) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(loss, lse)``: ``F.cross_entropy(F.linear(hidden, weight).float().view(-1, V),
+    labels.view(-1), ignore_index=ignore_index, reduction=reduction)`` and each row's fp32
+    log-sum-exp, which the backward reads."""
+    _check(hidden, weight, labels, reduction)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    valid = labels != ignore_index
+    running_max = torch.full((rows.shape[0],), float("-inf"), device=rows.device)
+    running_sum = torch.zeros(rows.shape[0], device=rows.device)
+    target = torch.zeros(rows.shape[0], device=rows.device)
+    for first, last in _chunks(rows.shape[0], weight.shape[0]):
+        logits = (rows @ weight[first:last].t()).float()
+        chunk_max = logits.amax(dim=1)
+        new_max = torch.maximum(running_max, chunk_max)
+        # exp(-inf - -inf) is nan: a row whose maximum so far is -inf has summed nothing.
+        carried = torch.where(running_max == float("-inf"), 0.0, torch.exp(running_max - new_max))
+        running_sum = running_sum * carried + torch.exp(logits - new_max[:, None]).sum(dim=1)
+        running_max = new_max
+        here = valid & (labels >= first) & (labels < last)
+        column = (labels - first).clamp(0, last - first - 1)
+        target = torch.where(here, logits.gather(1, column[:, None]).squeeze(1), target)
+    lse = running_max + torch.log(running_sum)
+    losses = torch.where(valid, lse - target, 0.0)
+    loss = losses.sum() if reduction == "sum" else losses.sum() / valid.sum()
+    return loss, lse
+
+
+@linear_cross_entropy.register_fake
+def _linear_cross_entropy_fake(hidden, weight, labels, ignore_index, reduction):
+    _check(hidden, weight, labels, reduction)
+    rows = hidden.numel() // hidden.shape[-1]
+    return hidden.new_empty((), dtype=torch.float32), hidden.new_empty((rows,), dtype=torch.float32)
+
+
+def _logits_gradient(rows: Tensor, weight_rows: Tensor, labels: Tensor, lse: Tensor, first: int,
+                     row_scale: Tensor) -> Tensor:  # fmt: skip
+    """``(softmax - one_hot) * row_scale`` over the columns ``first:first + len(weight_rows)``,
+    in the weight's dtype."""
+    columns = weight_rows.shape[0]
+    logits = (rows @ weight_rows.t()).float()
+    gradient = torch.exp(logits - lse[:, None])
+    here = (labels >= first) & (labels < first + columns)
+    column = (labels - first).clamp(0, columns - 1)
+    gradient.scatter_add_(1, column[:, None], -here.to(gradient.dtype)[:, None])
+    return (gradient * row_scale[:, None]).to(weight_rows.dtype)
+
+
+def _row_scale(grad_loss: Tensor, labels: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    valid = labels != ignore_index
+    scale = grad_loss.float() if reduction == "sum" else grad_loss.float() / valid.sum()
+    return torch.where(valid, scale, 0.0)
+
+
+@torch.library.custom_op("forge::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor,
+                                  ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(grad_hidden, grad_weight)`` of :func:`linear_cross_entropy`'s loss. The weight's
+    gradient is whole here: this is the backward of a head whose update forge does not fuse."""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    row_scale = _row_scale(grad_loss, labels, ignore_index, reduction)
+    grad_rows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+    grad_weight = torch.empty_like(weight)
+    for first, last in _chunks(rows.shape[0], weight.shape[0]):
+        gradient = _logits_gradient(rows, weight[first:last], labels, lse, first, row_scale)
+        grad_rows += (gradient @ weight[first:last]).float()
+        torch.mm(gradient.t(), rows.to(weight.dtype), out=grad_weight[first:last])
+    return grad_rows.to(hidden.dtype).reshape(hidden.shape), grad_weight
+
+
+@linear_cross_entropy_backward.register_fake
+def _linear_cross_entropy_backward_fake(grad_loss, hidden, weight, labels, lse, ignore_index, reduction):
+    return torch.empty_like(hidden), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, labels, ignore_index, reduction = inputs
+    ctx.save_for_backward(hidden, weight, labels, output[1])
+    ctx.ignore_index, ctx.reduction = ignore_index, reduction
+
+
+def _backward(ctx, grad_loss, grad_lse):
+    hidden, weight, labels, lse = ctx.saved_tensors
+    grad_hidden, grad_weight = torch.ops.forge.linear_cross_entropy_backward(
+        grad_loss, hidden, weight, labels, lse, ctx.ignore_index, ctx.reduction)  # fmt: skip
+    return grad_hidden, grad_weight, None, None, None
+
+
+linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("forge::linear_cross_entropy_backward_update_", mutates_args=("weight", "states"))
+def linear_cross_entropy_backward_update_(
+    grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor, ignore_index: int, reduction: str,
+    states: list[Tensor], step: Tensor, hyperparameters: list[Tensor], rule: str, options: list[int],
+    grad_min: float | None = None, grad_max: float | None = None, quantized_states: bool = False,
+    rounding_seed: int | None = None,
+) -> Tensor:  # fmt: skip
+    """:func:`linear_cross_entropy_backward` with the weight's update fused: each chunk's
+    weight rows and states are updated by ``forge::fused_linear_update_`` from that chunk's
+    logits gradient, after the chunk's rows of the hidden gradient are computed from the old
+    weight (8-bit states and stochastic rounding as for the whole weight: both are laid out
+    by rows, and the rounding draws by the parameter's row). Returns the hidden gradient."""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    row_scale = _row_scale(grad_loss, labels, ignore_index, reduction)
+    grad_rows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+    for first, last in _chunks(rows.shape[0], weight.shape[0]):
+        gradient = _logits_gradient(rows, weight[first:last], labels, lse, first, row_scale)
+        grad_rows += (gradient @ weight[first:last]).float()
+        torch.ops.forge.fused_linear_update_(
+            weight[first:last], gradient.t(), rows, [state[first:last] for state in states], step, hyperparameters,
+            rule, options, grad_min, grad_max, quantized_states, rounding_seed, first)  # fmt: skip
+    return grad_rows.to(hidden.dtype).reshape(hidden.shape)
+
+
+@linear_cross_entropy_backward_update_.register_fake
+def _linear_cross_entropy_backward_update_fake(grad_loss, hidden, weight, labels, lse, ignore_index, reduction,
+                                               states, step, hyperparameters, rule, options, grad_min=None,
+                                               grad_max=None, quantized_states=False, rounding_seed=None):  # fmt: skip
+    return torch.empty_like(hidden)

@@ -1,0 +1,198 @@
+"""The head and its cross-entropy in vocabulary chunks (forge_compile/head_loss.py).
+
+The op is checked against ``F.cross_entropy(F.linear(...).float())`` and autograd; the
+compiled step against torch.optim in eager, with its code checked for the buffers the
+chunking exists to avoid: ``[tokens, vocabulary]`` logits or gradients, and the head
+weight's gradient.
+"""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_matches_torch_optim, max_param_error, sgd_at_lr_1_side_by_side, twin
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+
+import forge_compile
+from forge_compile.config import config
+
+VOCAB, WIDTH, TOKENS = 600, 48, 40
+# 3 chunks of 256 columns, the last one short: what a chunk boundary can break is covered.
+CHUNK = 256
+
+
+@pytest.fixture
+def chunks_of_256(monkeypatch):
+    monkeypatch.setattr(config, "head_chunk_columns", CHUNK)
+
+
+def _reference_loss(hidden, weight, labels, ignore_index, reduction):
+    return F.cross_entropy(F.linear(hidden, weight).float().view(-1, weight.shape[0]), labels.view(-1),
+                           ignore_index=ignore_index, reduction=reduction)  # fmt: skip
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_loss_and_its_gradients_are_cross_entropys(reduction, dtype, chunks_of_256):
+    hidden = torch.randn(2, TOKENS // 2, WIDTH, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(VOCAB, WIDTH) / WIDTH**0.5).to(dtype).requires_grad_()
+    labels = torch.randint(0, VOCAB, (TOKENS,))
+    labels[[0, 7, 31]] = -100
+    labels[1], labels[2] = CHUNK - 1, CHUNK  # either side of a boundary
+    loss, _ = torch.ops.forge.linear_cross_entropy(hidden, weight, labels, -100, reduction)
+    expected = _reference_loss(hidden, weight, labels, -100, reduction)
+    grads = torch.autograd.grad(loss * 3.0, [hidden, weight])
+    expected_grads = torch.autograd.grad(expected * 3.0, [hidden, weight])
+    # fp32: rounding only; bf16: the hidden gradient sums the chunks' bf16 products in fp32.
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2 * TOKENS ** 0.5)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, **tolerance)
+
+
+def test_every_label_ignored_gives_torchs_nan():
+    hidden, weight = torch.randn(4, WIDTH), torch.randn(VOCAB, WIDTH)
+    labels = torch.full((4,), -100)
+    loss, _ = torch.ops.forge.linear_cross_entropy(hidden, weight, labels, -100, "mean")
+    assert torch.isnan(loss) and torch.isnan(_reference_loss(hidden, weight, labels, -100, "mean"))
+
+
+def test_bad_arguments_say_what_is_expected():
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
+        torch.ops.forge.linear_cross_entropy(torch.randn(4, WIDTH), torch.randn(VOCAB, WIDTH), torch.zeros(4, dtype=torch.long),
+                                             -100, "none")  # fmt: skip
+    with pytest.raises(ValueError, match="one label per row"):
+        torch.ops.forge.linear_cross_entropy(torch.randn(4, WIDTH), torch.randn(VOCAB, WIDTH), torch.zeros(5, dtype=torch.long),
+                                             -100, "mean")  # fmt: skip
+
+
+class _TinyCausalLM(nn.Module):
+    """Embedding, a tanh, an untied head and transformers' causal-LM loss: logits cast to
+    fp32, labels padded by one and shifted. ``variant`` makes a loss the chunks do not
+    compute: ``"label_smoothing"``, or ``"logits_read"`` (the logits also feed the result)."""
+
+    def __init__(self, variant: str = ""):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.variant = variant
+
+    def forward(self, tokens):
+        logits = self.head(torch.tanh(self.embed(tokens))).float()
+        labels = F.pad(tokens, (0, 1), value=-100)[:, 1:]
+        loss = F.cross_entropy(logits.view(-1, VOCAB), labels.reshape(-1), ignore_index=-100,
+                               label_smoothing=0.1 if self.variant == "label_smoothing" else 0.0)  # fmt: skip
+        return loss + 1e-3 * logits.amax() if self.variant == "logits_read" else loss
+
+
+def _vocabulary_buffers(code: str) -> list[tuple[int, ...]]:
+    """Shapes of the wrapper's buffers with as many elements as the logits or the head's weight."""
+    shapes = []
+    for shape in re.findall(r"empty_strided_\w+\(\(([\d, ]+)\),", code):
+        sizes = tuple(int(s) for s in shape.split(",") if s.strip())
+        if torch.Size(sizes).numel() in (TOKENS * VOCAB, VOCAB * WIDTH):
+            shapes.append(sizes)
+    return shapes
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "chunk_head_loss-off"])
+def test_the_step_updates_the_head_by_chunks_and_stores_no_logits(chunked, chunks_of_256, monkeypatch,
+                                                                  no_inductor_cache):  # fmt: skip
+    monkeypatch.setattr(config, "chunk_head_loss", chunked)
+    model = _TinyCausalLM()
+    tokens = torch.randint(0, VOCAB, (1, TOKENS))
+    (report, reference), codes = run_and_get_code(sgd_at_lr_1_side_by_side, model, tokens)
+    # At lr 1 a weight moves by its whole gradient: a wrong chunk would show far above rounding.
+    assert max_param_error(model, reference) < 1e-5
+    assert [d.name for d in report.fused] == ["model.head.weight"]
+    code = "\n".join(codes)
+    assert ("torch.ops.forge.linear_cross_entropy_backward_update_" in code) == chunked
+    # Unchunked, the logits (and the gradient Inductor writes over them) are a buffer of
+    # [tokens, vocabulary]; chunked, no buffer of that size nor of the weight's is made.
+    assert (not _vocabulary_buffers(code)) == chunked
+
+
+def test_a_llama_step_with_the_chunked_head_matches_torch_optim_adamw(chunks_of_256, no_inductor_cache):
+    transformers = pytest.importorskip("transformers")
+    config_ = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=96, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                       attn_implementation="sdpa", use_cache=False)  # fmt: skip
+    model = transformers.LlamaForCausalLM(config_)
+    reference = twin(model)
+    optimizer = forge_compile.optim.AdamW(model.parameters(), lr=1e-3)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+
+    def train_step(net, opt, tokens):
+        loss = net(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = torch.compile(lambda tokens: train_step(model, optimizer, tokens), backend="forge")
+    tokens = torch.randint(0, VOCAB, (2, TOKENS // 2))
+    report = forge_compile.explain(step, tokens)
+    train_step(reference, reference_optimizer, tokens)
+    assert "lm_head.weight" in [d.name.split(".", 1)[-1] for d in report.fused]
+    for _ in range(2):
+        torch.testing.assert_close(step(tokens), train_step(reference, reference_optimizer, tokens))
+    assert_matches_torch_optim(model, reference, lr=1e-3, steps=3)
+
+
+@pytest.mark.parametrize("variant", ["label_smoothing", "logits_read"])
+def test_a_loss_the_chunks_do_not_compute_is_left_to_inductor(variant, chunks_of_256, no_inductor_cache):
+    model = _TinyCausalLM(variant)
+    tokens = torch.randint(0, VOCAB, (1, TOKENS))
+    (report, reference), codes = run_and_get_code(sgd_at_lr_1_side_by_side, model, tokens)
+    assert "linear_cross_entropy" not in "\n".join(codes)
+    assert [d.name for d in report.fused] == ["model.head.weight"]
+    assert max_param_error(model, reference) < 1e-5
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("storage", ["bf16_stochastic_rounding", "int8_states"])
+def test_the_update_by_chunks_is_the_rules_update_from_the_whole_gradient(storage, kernel, chunks_of_256,
+                                                                           monkeypatch):  # fmt: skip
+    """The oracle is ``forge::optimizer_update``, the rule's unfused update (tested against
+    torch.optim and float64 elsewhere), from the whole weight gradient. Stochastic rounding
+    draws by the element's row of the parameter: a chunk drawing by its own rows would round
+    other weights the other way."""
+    from forge_compile import head_loss, ops
+
+    weight_dtype = torch.bfloat16 if storage == "bf16_stochastic_rounding" else torch.float32
+    # Triton's interpreter computes a bf16 tl.dot wrongly: the Triton kernel's bf16 case runs on a GPU.
+    device = "cuda" if kernel == "triton" and weight_dtype == torch.bfloat16 else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("the Triton kernel's bf16 case runs on a GPU")
+    monkeypatch.setattr(config, "kernel", kernel)
+    hidden = torch.randn(TOKENS, WIDTH, device=device).to(weight_dtype)
+    weight = (torch.randn(VOCAB, WIDTH, device=device) / WIDTH**0.5).to(weight_dtype)
+    labels = torch.randint(0, VOCAB, (TOKENS,), device=device)
+    labels[5] = -100
+    moments = [torch.randn(VOCAB, WIDTH, device=device) * 1e-3, torch.rand(VOCAB, WIDTH, device=device) * 1e-5]
+    if storage == "int8_states":
+        (m_codes, m_scales), (v_codes, v_scales) = ops.quantize_state(moments[0], True), ops.quantize_state(moments[1], False)
+        states, quantized, seed = [m_codes, v_codes, m_scales, v_scales], True, None
+    else:
+        states, quantized, seed = [m.to(torch.bfloat16) for m in moments], False, 1234
+    step = torch.tensor(3.0, device=device)
+    hyperparameters = [torch.tensor(v, device=device) for v in (1e-3, 0.9, 0.999, 1e-8, 0.01)]
+    options = [1, 0, 0, 1]
+    grad_loss = torch.tensor(1.0, device=device)
+    _, lse = torch.ops.forge.linear_cross_entropy(hidden, weight, labels, -100, "mean")
+
+    row_scale = head_loss._row_scale(grad_loss, labels, -100, "mean")
+    whole = head_loss._logits_gradient(hidden, weight, labels, lse, 0, row_scale)  # all columns at once
+    expected = torch.ops.forge.optimizer_update(weight, whole.float().t() @ hidden.float(), states, step,
+                                                hyperparameters, "adam", options, quantized, seed)  # fmt: skip
+
+    chunked_weight, chunked_states = weight.clone(), [s.clone() for s in states]
+    grad_hidden = torch.ops.forge.linear_cross_entropy_backward_update_(
+        grad_loss, hidden, chunked_weight, labels, lse, -100, "mean", chunked_states, step, hyperparameters, "adam",
+        options, None, None, quantized, seed)  # fmt: skip
+    torch.testing.assert_close(grad_hidden.float(), (whole.float() @ weight.float()), rtol=2e-2, atol=1e-4)
+    for actual, wanted in zip([chunked_weight, *chunked_states], expected):
+        differing = (actual.double() - wanted.double()).abs() > 1e-6 * wanted.double().abs().amax()
+        assert differing.double().mean() < 1e-3, f"{differing.sum()} of {differing.numel()} elements differ"
