@@ -79,7 +79,10 @@ def _train(options):
     return codes[0], model, reference
 
 
-def test_the_step_keeps_the_recompute_order_and_options_can_turn_the_reordering_on(no_inductor_cache):
+def test_the_step_keeps_the_recompute_order_and_options_can_turn_the_reordering_on(no_inductor_cache, monkeypatch):
+    # Measured with the head loss unchunked: chunked (head_loss.py), the logits are not
+    # among the values the reordering moves, and the two peaks are 0.54 and 0.56 MB.
+    monkeypatch.setattr(forge_compile.config, "chunk_head_loss", False)
     forge_code, model, reference = _train(options=None)
     assert_matches_torch_optim(model, reference, lr=LR, steps=STEPS)
     reordered_code, model, reference = _train(options={"reorder_for_peak_memory": True})
