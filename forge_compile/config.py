@@ -78,6 +78,9 @@ class ForgeConfig:
             raise ValueError(f"forge: config.warp_specialize must be one of {_WARP_SPECIALIZE}, got {value!r}")
         if name == "linear_update_path" and value not in _PATHS:
             raise ValueError(f"forge: config.linear_update_path must be one of {_PATHS}, got {value!r}")
+        if name == "head_chunk_columns" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"forge: config.head_chunk_columns must be a whole number of columns, 0 to choose them "
+                             f"from the tokens, got {value!r}")  # fmt: skip
 
 
 def _from_environment() -> ForgeConfig:
@@ -91,6 +94,8 @@ def _from_environment() -> ForgeConfig:
                 raise ValueError(f"forge: FORGE_{f.name.upper()}={raw!r} is not a boolean (use 0 or 1)")
             overrides[f.name] = raw.lower() in ("1", "true", "yes", "on")
         elif f.type in ("int", int):
+            if not raw.strip().isdigit():
+                raise ValueError(f"forge: FORGE_{f.name.upper()}={raw!r} is not a whole number")
             overrides[f.name] = int(raw)
         else:
             overrides[f.name] = raw

@@ -44,3 +44,15 @@ def test_a_bad_value_in_the_environment_names_the_variable(monkeypatch):
     monkeypatch.setenv("FORGE_WARP_SPECIALIZE", "on")
     with pytest.raises(ValueError, match="config.warp_specialize must be one of"):
         config_module._from_environment()
+
+
+def test_the_head_chunk_size_is_a_whole_number_from_code_or_the_environment(monkeypatch):
+    settings = ForgeConfig()
+    settings.head_chunk_columns = 4096
+    with pytest.raises(ValueError, match="head_chunk_columns must be a whole number of columns"):
+        settings.head_chunk_columns = -1
+    monkeypatch.setenv("FORGE_HEAD_CHUNK_COLUMNS", "2048")
+    assert config_module._from_environment().head_chunk_columns == 2048
+    monkeypatch.setenv("FORGE_HEAD_CHUNK_COLUMNS", "2k")
+    with pytest.raises(ValueError, match="FORGE_HEAD_CHUNK_COLUMNS='2k' is not a whole number"):
+        config_module._from_environment()

@@ -114,10 +114,13 @@ def test_the_step_updates_the_head_by_chunks_and_stores_no_logits(chunked, chunk
     assert (not _vocabulary_buffers(code)) == chunked
 
 
-def test_a_llama_step_with_the_chunked_head_matches_torch_optim_adamw(chunks_of_256, no_inductor_cache):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_llama_step_with_the_chunked_head_matches_torch_optim_adamw(tied, chunks_of_256, no_inductor_cache):
+    """Untied, the head is updated chunk by chunk; tied to the embedding (Qwen3-0.6B), its
+    gradient is a sum with the embedding's and the update reads it whole."""
     transformers = pytest.importorskip("transformers")
     config_ = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=96, num_hidden_layers=1,
-                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
                                        attn_implementation="sdpa", use_cache=False)  # fmt: skip
     model = transformers.LlamaForCausalLM(config_)
     reference = twin(model)
@@ -135,7 +138,7 @@ def test_a_llama_step_with_the_chunked_head_matches_torch_optim_adamw(chunks_of_
     tokens = torch.randint(0, VOCAB, (2, TOKENS // 2))
     report = forge_compile.explain(step, tokens)
     train_step(reference, reference_optimizer, tokens)
-    assert "lm_head.weight" in [d.name.split(".", 1)[-1] for d in report.fused]
+    assert ("lm_head.weight" in [d.name.split(".", 1)[-1] for d in report.fused]) != tied
     for _ in range(2):
         torch.testing.assert_close(step(tokens), train_step(reference, reference_optimizer, tokens))
     assert_matches_torch_optim(model, reference, lr=1e-3, steps=3)
