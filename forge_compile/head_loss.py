@@ -13,6 +13,11 @@ which updates the weight's rows of each chunk with ``forge::fused_linear_update_
 as that chunk's gradient exists: neither the logits, their gradient, nor the weight's
 gradient is ever stored whole.
 
+In torch 2.11's Triton code for an 8-layer Llama-3.1-8B-wide step at 1 x 1024 tokens
+(generated on a CPU host), the step's own buffers peak at 0.789 GiB instead of 0.940 GiB
+(183 kernels instead of 182); the peak moves from the loss to the last layer's SwiGLU
+backward, and the chunked op's own temporaries (about 3.5 x 16 MiB) stay below it.
+
 The math is cross-entropy's: ``loss = mean or sum over rows whose label is not
 ignore_index of (logsumexp(logits) - logits[label])``; the logits are rounded to the
 weight's dtype before the fp32 math, as ``linear(...).float()`` does, and the logits'
@@ -28,9 +33,11 @@ from torch import Tensor
 from .config import config
 
 # A chunk's fp32 logits take about this many bytes: the chunk's temporaries (its logits in
-# the weight's dtype and in fp32, their gradient) are what the step holds in place of the
-# whole logits. At 1 x 1024 tokens that is 2048 columns, 63 chunks for a 128256 vocabulary.
-_CHUNK_BYTES = 8 << 20
+# the weight's dtype and in fp32, their gradient, the hidden gradient's share) are what the
+# step holds in place of the whole logits, about 3.5 times this. At 1 x 1024 tokens that is
+# 4096 columns, 32 chunks for a 128256 vocabulary: each chunk's matmuls are 34 GFLOP, long
+# enough next to the chunk's dozen launches from Python.
+_CHUNK_BYTES = 16 << 20
 # ... but at least this many columns: with many tokens the chunks stay large enough for the
 # matmuls and the fused update's launches to run at speed.
 _MIN_CHUNK_COLUMNS = 1024
@@ -104,12 +111,11 @@ def _logits_gradient(rows: Tensor, weight_rows: Tensor, labels: Tensor, lse: Ten
     """``(softmax - one_hot) * row_scale`` over the columns ``first:first + len(weight_rows)``,
     in the weight's dtype."""
     columns = weight_rows.shape[0]
-    logits = (rows @ weight_rows.t()).float()
-    gradient = torch.exp(logits - lse[:, None])
+    gradient = (rows @ weight_rows.t()).float().sub_(lse[:, None]).exp_()  # in place: one fp32 chunk alive
     here = (labels >= first) & (labels < first + columns)
     column = (labels - first).clamp(0, columns - 1)
     gradient.scatter_add_(1, column[:, None], -here.to(gradient.dtype)[:, None])
-    return (gradient * row_scale[:, None]).to(weight_rows.dtype)
+    return gradient.mul_(row_scale[:, None]).to(weight_rows.dtype)
 
 
 def _row_scale(grad_loss: Tensor, labels: Tensor, ignore_index: int, reduction: str) -> Tensor:
