@@ -10,7 +10,7 @@ transformers' causal-LM loss and plain training loops write::
 through any of ``.float()``, ``.to(torch.float32)``, ``.view``/``.reshape`` to
 ``[tokens, V]``, each read by the next alone. A class weight, label smoothing, a reduction
 of ``"none"``, logits read elsewhere (returned, logged) or kept in a lower precision than
-fp32 leave the graph as it is.
+fp32, and DTensor operands (tensor parallelism) leave the graph as it is.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import fx
 from torch.fx import Node
 
-from .. import head_loss  # noqa: F401  (torch.ops.forge.linear_cross_entropy)
+from .. import dtensor, head_loss  # noqa: F401  (torch.ops.forge.linear_cross_entropy)
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,8 @@ def _match(loss: Node):
     weight_value, hidden_value = _example(weight), _example(hidden)
     if weight_value is None or hidden_value is None or weight_value.dim() != 2:
         return None
+    if dtensor.is_dtensor(weight_value) or dtensor.is_dtensor(hidden_value) or dtensor.is_dtensor(_example(labels)):
+        return None  # a vocabulary-parallel head is loss_parallel's to chunk: its logits are already sharded
     if flat.shape[1] != weight_value.shape[0] or flat.shape[0] * hidden_value.shape[-1] != hidden_value.numel():
         return None
     log.debug("forge: %s computed in vocabulary chunks (head weight %s)", loss.name, weight.name)
