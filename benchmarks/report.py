@@ -482,6 +482,7 @@ STEP_MODES = {
     "inductor": "torch.compile (inductor), AdamW compiled",
     "forge": "forge",
     "forge_int8": 'forge, state_dtype="int8"',
+    "forge_unchunked_head": "forge, head loss unchunked (chunk_head_loss=False)",
     "inductor_cudagraphs": 'torch.compile (inductor, mode="reduce-overhead"), AdamW compiled',
     "forge_cudagraphs": 'forge, mode="reduce-overhead"',
 }

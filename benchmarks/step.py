@@ -11,6 +11,8 @@ micro-batch x sequence as given. Modes:
   with it (foreach, capturable);
 * ``forge``: forge's AdamW, ``torch.compile(train_step, backend="forge")``;
 * ``forge_int8``: the same with ``state_dtype="int8"``;
+* ``forge_unchunked_head``: ``forge`` with ``forge_compile.config.chunk_head_loss`` off (the
+  logits whole, as before the chunked head loss), for the side-by-side of its cost;
 * ``inductor_cudagraphs``, ``forge_cudagraphs``: ``inductor`` and ``forge`` compiled with
   ``mode="reduce-overhead"`` (CUDA graphs: the step replays without host launches).
 
@@ -46,7 +48,8 @@ MODELS = {
     "qwen3-14b": (5120, 17408, 40, 40, 8, 151936, False),
     "tiny-llama": (64, 128, 2, 4, 2, 256, False),  # a smoke test of this script on the CPU
 }
-MODES = ("eager_fused", "hooks", "inductor", "forge", "forge_int8", "inductor_cudagraphs", "forge_cudagraphs")
+MODES = ("eager_fused", "hooks", "inductor", "forge", "forge_int8", "forge_unchunked_head", "inductor_cudagraphs",
+         "forge_cudagraphs")  # fmt: skip
 WARMUP, TIMED = 3, 10
 
 
@@ -92,6 +95,7 @@ def optimizer_step(model, mode: str):
         optimizer = torch.optim.AdamW(model.parameters(), **hyper, foreach=True, capturable=True)
         return torch.compile(causal_lm_train_step(model, optimizer), backend="inductor", mode=compile_mode)
     state_dtype = "int8" if mode == "forge_int8" else None
+    forge_compile.config.chunk_head_loss = mode != "forge_unchunked_head"  # each case runs in a process of its own
     optimizer = forge_compile.optim.AdamW(model.parameters(), **hyper, state_dtype=state_dtype)
     return torch.compile(causal_lm_train_step(model, optimizer), backend="forge", mode=compile_mode)
 
