@@ -235,11 +235,9 @@ def _side_of_the_cut(node) -> str | None:
 
 
 @contextlib.contextmanager
-def keep_backward_work_in_the_backward():
-    """Within the block, Inductor does not fuse a node of the forward with one of the
-    backward (as the recompute pass marked them): such a kernel computes the backward's
-    part in the forward, and its outputs stay alive across the step's peak (see the module
-    docstring). Process-wide while it lasts, like :func:`reuse_buffers_past_ordering_deps`."""
+def _fusions_refused_where(veto, reason: str):
+    """Within the block, Inductor's ``Scheduler.can_fuse`` also refuses each pair of nodes for
+    which ``veto(scheduler, node1, node2)`` holds."""
     try:
         from torch._inductor.scheduler import Scheduler
     except ImportError:
@@ -254,13 +252,26 @@ def keep_backward_work_in_the_backward():
     def can_fuse(self, node1, node2, *args, **kwargs) -> bool:
         if not original_can_fuse(self, node1, node2, *args, **kwargs):
             return False
-        if {_side_of_the_cut(node1), _side_of_the_cut(node2)} == {"forward", "backward"}:
-            log.debug("forge: %s and %s not fused: one is forward, the other backward work",
-                      node1.get_name(), node2.get_name())  # fmt: skip
+        if veto(self, node1, node2):
+            log.debug("forge: %s and %s not fused: %s", node1.get_name(), node2.get_name(), reason)
             return False
         return True
 
     with unittest.mock.patch.object(Scheduler, "can_fuse", can_fuse):
+        yield
+
+
+@contextlib.contextmanager
+def keep_backward_work_in_the_backward():
+    """Within the block, Inductor does not fuse a node of the forward with one of the
+    backward (as the recompute pass marked them): such a kernel computes the backward's
+    part in the forward, and its outputs stay alive across the step's peak (see the module
+    docstring). Process-wide while it lasts, like :func:`reuse_buffers_past_ordering_deps`."""
+
+    def across_the_cut(scheduler, node1, node2) -> bool:
+        return {_side_of_the_cut(node1), _side_of_the_cut(node2)} == {"forward", "backward"}
+
+    with _fusions_refused_where(across_the_cut, "one is forward, the other backward work"):
         yield
 
 
@@ -272,31 +283,22 @@ def reuse_buffers_read_by_a_later_gather():
     while it lasts, like :func:`reuse_buffers_past_ordering_deps`."""
     try:
         from torch._inductor import ir
-        from torch._inductor.scheduler import Scheduler
         from torch._inductor.virtualized import V
     except ImportError:
         yield
         return
-    original_can_fuse = getattr(Scheduler, "can_fuse", None)
     original_exceeded = getattr(ir.StorageBox, "has_exceeded_max_reads", None)
-    if original_can_fuse is None or original_exceeded is None:
+    if original_exceeded is None:
         yield
         return
-
-    @functools.wraps(original_can_fuse)
-    def can_fuse(self, node1, node2, *args, **kwargs) -> bool:
-        if not original_can_fuse(self, node1, node2, *args, **kwargs):
-            return False
-        if _fusion_keeps_a_buffer_from_reuse(self, node1, node2):
-            log.debug("forge: %s and %s not fused: a later gather would keep a buffer from reuse",
-                      node1.get_name(), node2.get_name())  # fmt: skip
-            return False
-        return True
 
     @functools.wraps(original_exceeded)
     def has_exceeded_max_reads(self) -> bool:
         return original_exceeded(self) and not _only_a_cast_follows(getattr(V.graph, "current_node", None))
 
-    with unittest.mock.patch.object(Scheduler, "can_fuse", can_fuse), \
+    def keeps_a_buffer_from_reuse(scheduler, node1, node2) -> bool:
+        return _fusion_keeps_a_buffer_from_reuse(scheduler, node1, node2)
+
+    with _fusions_refused_where(keeps_a_buffer_from_reuse, "a later gather would keep a buffer from reuse"), \
             unittest.mock.patch.object(ir.StorageBox, "has_exceeded_max_reads", has_exceeded_max_reads):  # fmt: skip
         yield

@@ -61,6 +61,15 @@ def sgd_at_lr_1_side_by_side(model: nn.Module, x: torch.Tensor, steps: int = 3):
     return report, reference
 
 
+def causal_lm_step(net, opt, tokens):
+    """A transformers causal LM's training step on its own tokens as labels, loss detached."""
+    loss = net(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
 def train_side_by_side(step, reference_step, batches):
     """Both on each batch, the losses equal each step (NaN where torch's is NaN); the first
     step through ``forge_compile.explain``, whose report is returned."""

@@ -15,7 +15,7 @@ import unittest.mock
 
 import pytest
 import torch
-from helpers import assert_matches_torch_optim, last_line_outside_the_interpreter, twin
+from helpers import assert_matches_torch_optim, causal_lm_step, last_line_outside_the_interpreter, twin
 
 import forge_compile
 from forge_compile import scheduling
@@ -53,14 +53,6 @@ def _model():
     return transformers.LlamaForCausalLM(config)
 
 
-def _train_step(net, opt, tokens):
-    loss = net(input_ids=tokens, labels=tokens).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.detach()
-
-
 def _triton_step_code(refuse: bool) -> str:
     """The compiled step's wrapper with Triton kernels for the CPU."""
     import torch.utils._triton as triton_utils
@@ -76,7 +68,7 @@ def _triton_step_code(refuse: bool) -> str:
 
     model = _model()
     optimizer = forge_compile.optim.AdamW(model.parameters(), lr=LR)
-    step = torch.compile(lambda tokens: _train_step(model, optimizer, tokens), backend="forge")
+    step = torch.compile(lambda tokens: causal_lm_step(model, optimizer, tokens), backend="forge")
     with contextlib.ExitStack() as stack:
         stack.enter_context(unittest.mock.patch.object(GraphLowering, "codegen", codegen))
         stack.enter_context(unittest.mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "forge-check"))
@@ -104,11 +96,11 @@ def test_the_step_with_fusions_refused_matches_torch_optim(no_inductor_cache):
     reference = twin(model)
     optimizer = forge_compile.optim.AdamW(model.parameters(), lr=LR)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
-    step = torch.compile(lambda tokens: _train_step(model, optimizer, tokens), backend="forge")
+    step = torch.compile(lambda tokens: causal_lm_step(model, optimizer, tokens), backend="forge")
     tokens = torch.randint(0, VOCAB, (1, TOKENS))
     for _ in range(STEPS):
         step(tokens)
-        _train_step(reference, reference_optimizer, tokens)
+        causal_lm_step(reference, reference_optimizer, tokens)
     assert_matches_torch_optim(model, reference, lr=LR, steps=STEPS)
 
 

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_matches_torch_optim, max_param_error, sgd_at_lr_1_side_by_side, twin
+from helpers import assert_matches_torch_optim, causal_lm_step, max_param_error, sgd_at_lr_1_side_by_side, twin
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
@@ -127,20 +127,13 @@ def test_a_llama_step_with_the_chunked_head_matches_torch_optim_adamw(tied, chun
     optimizer = forge_compile.optim.AdamW(model.parameters(), lr=1e-3)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
 
-    def train_step(net, opt, tokens):
-        loss = net(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    step = torch.compile(lambda tokens: train_step(model, optimizer, tokens), backend="forge")
+    step = torch.compile(lambda tokens: causal_lm_step(model, optimizer, tokens), backend="forge")
     tokens = torch.randint(0, VOCAB, (2, TOKENS // 2))
     report = forge_compile.explain(step, tokens)
-    train_step(reference, reference_optimizer, tokens)
+    causal_lm_step(reference, reference_optimizer, tokens)
     assert ("lm_head.weight" in [d.name.split(".", 1)[-1] for d in report.fused]) != tied
     for _ in range(2):
-        torch.testing.assert_close(step(tokens), train_step(reference, reference_optimizer, tokens))
+        torch.testing.assert_close(step(tokens), causal_lm_step(reference, reference_optimizer, tokens))
     assert_matches_torch_optim(model, reference, lr=1e-3, steps=3)
 
 

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from helpers import assert_matches_torch_optim, twin
+from helpers import assert_matches_torch_optim, causal_lm_step, twin
 from torch._inductor.utils import run_and_get_code
 
 import forge_compile
@@ -61,20 +61,13 @@ def _train(options):
     optimizer = forge_compile.optim.AdamW(model.parameters(), lr=LR)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
 
-    def train_step(net, opt, tokens):
-        loss = net(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
     tokens = torch.randint(0, VOCAB, (1, TOKENS))
-    step = torch.compile(lambda t: train_step(model, optimizer, t), backend="forge", options=options)
+    step = torch.compile(lambda t: causal_lm_step(model, optimizer, t), backend="forge", options=options)
     _, codes = run_and_get_code(step, tokens)
-    train_step(reference, reference_optimizer, tokens)
+    causal_lm_step(reference, reference_optimizer, tokens)
     for _ in range(STEPS - 1):
         step(tokens)
-        train_step(reference, reference_optimizer, tokens)
+        causal_lm_step(reference, reference_optimizer, tokens)
     assert len(codes) == 1
     return codes[0], model, reference
 
