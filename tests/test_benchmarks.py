@@ -293,3 +293,18 @@ def test_a_stopped_capacity_search_resumes_from_its_trials(tmp_path, monkeypatch
     assert ran == [[6, 7]]  # 2, 4 and 8 came from the stopped search
     cases = json.loads((tmp_path / "capacity.json").read_text())["cases"]
     assert [(c["status"], c.get("largest_micro_batch")) for c in cases] == [("ok", 6)]
+
+
+def test_step_buffers_replays_the_triton_wrapper_of_a_tiny_llama():
+    """benchmarks/step_buffers.py on a 64-wide two-layer Llama (Triton code written in a child
+    process without the interpreter). With 8192 words the unchunked step's peak holds the
+    [16, 8192] logits (256 KiB); the chunked head loss holds none."""
+    from helpers import last_line_outside_the_interpreter
+
+    script = str(Path(__file__).resolve().parent.parent / "benchmarks" / "step_buffers.py")
+    chunked, whole = (json.loads(last_line_outside_the_interpreter(script, "--worker", variant, "--layers", "2", "--tiny"))
+                      for variant in ("forge", "forge_unchunked_head"))  # fmt: skip
+    assert chunked["launches"] > 0 and chunked["alive_at_peak"]
+    assert any("(16, 8192)" in alive for alive in whole["alive_at_peak"]), whole
+    assert not any("8192)" in alive for alive in chunked["alive_at_peak"]), chunked
+    assert chunked["peak_bytes"] < whole["peak_bytes"] / 3, (chunked, whole)
