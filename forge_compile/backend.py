@@ -216,7 +216,8 @@ def forge_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None 
                                               **{**step_settings, **patches}), _dumping(record), _forge_decompositions(), \
                     scheduling.reuse_buffers_past_ordering_deps(), \
                     scheduling.reuse_buffers_read_by_a_later_gather(), \
-                    scheduling.keep_backward_work_in_the_backward():  # fmt: skip
+                    scheduling.keep_backward_work_in_the_backward(), \
+                    scheduling.write_over_inputs_a_pointwise_kernel_reads_last():  # fmt: skip
                 return compile_fx(gm, example_inputs, **kwargs)
         finally:
             _compilations.pop()

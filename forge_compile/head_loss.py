@@ -13,10 +13,11 @@ which updates the weight's rows of each chunk with ``forge::fused_linear_update_
 as that chunk's gradient exists: neither the logits, their gradient, nor the weight's
 gradient is ever stored whole.
 
-In torch 2.11's Triton code for an 8-layer Llama-3.1-8B-wide step at 1 x 1024 tokens
-(generated on a CPU host), the step's own buffers peak at 0.789 GiB instead of 0.940 GiB
-(183 kernels instead of 182); the peak moves from the loss to the last layer's SwiGLU
-backward, and the chunked op's own temporaries (about 3.5 x 16 MiB) stay below it.
+What the step's buffers peak at with and without it, in torch 2.11's Triton code for an
+8-layer Llama-3.1-8B-wide step at 1 x 1024 tokens: ``benchmarks/step_buffers.py``
+(``results/step_buffers_cpu.json``). Unchunked, the peak is at the loss; chunked, it moves
+to the last layer's SwiGLU backward. The chunked op's own temporaries (below) are not in
+those figures.
 
 The math is cross-entropy's: ``loss = mean or sum over rows whose label is not
 ignore_index of (logsumexp(logits) - logits[label])``; the logits are rounded to the
@@ -32,11 +33,12 @@ from torch import Tensor
 
 from .config import config
 
-# A chunk's fp32 logits take about this many bytes: the chunk's temporaries (its logits in
-# the weight's dtype and in fp32, their gradient, the hidden gradient's share) are what the
-# step holds in place of the whole logits, about 3.5 times this. At 1 x 1024 tokens that is
-# 4096 columns, 32 chunks for a 128256 vocabulary: each chunk's matmuls are 34 GFLOP, long
-# enough next to the chunk's dozen launches from Python.
+# A chunk's fp32 logits take about this many bytes. The chunk's temporaries are what the
+# step holds in place of the whole logits: its logits in bf16 and fp32, or their gradient
+# and its share of the hidden gradient, next to that gradient's fp32 sum; at most about 2.5
+# times this at 1 x 1024 tokens (40 MiB against 245 MiB of logits). That is 4096 columns,
+# 32 chunks of a 128256 vocabulary, whose matmuls (34 GFLOP a chunk) are long enough next
+# to a chunk's dozen launches from Python.
 _CHUNK_BYTES = 16 << 20
 # ... but at least this many columns: with many tokens the chunks stay large enough for the
 # matmuls and the fused update's launches to run at speed.
@@ -84,15 +86,15 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
     target = torch.zeros(rows.shape[0], device=rows.device)
     for first, last in _chunks(rows.shape[0], weight.shape[0]):
         logits = (rows @ weight[first:last].t()).float()
-        chunk_max = logits.amax(dim=1)
-        new_max = torch.maximum(running_max, chunk_max)
-        # exp(-inf - -inf) is nan: a row whose maximum so far is -inf has summed nothing.
-        carried = torch.where(running_max == float("-inf"), 0.0, torch.exp(running_max - new_max))
-        running_sum = running_sum * carried + torch.exp(logits - new_max[:, None]).sum(dim=1)
-        running_max = new_max
         here = valid & (labels >= first) & (labels < last)
         column = (labels - first).clamp(0, last - first - 1)
         target = torch.where(here, logits.gather(1, column[:, None]).squeeze(1), target)
+        new_max = torch.maximum(running_max, logits.amax(dim=1))
+        # exp(-inf - -inf) is nan: a row whose maximum so far is -inf has summed nothing.
+        carried = torch.where(running_max == float("-inf"), 0.0, torch.exp(running_max - new_max))
+        # In place: the chunk's fp32 logits stay its only [tokens, columns] fp32 buffer.
+        running_sum = running_sum * carried + logits.sub_(new_max[:, None]).exp_().sum(dim=1)
+        running_max = new_max
     lse = running_max + torch.log(running_sum)
     losses = torch.where(valid, lse - target, 0.0)
     loss = losses.sum() if reduction == "sum" else losses.sum() / valid.sum()
@@ -136,7 +138,7 @@ def linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Ten
     grad_weight = torch.empty_like(weight)
     for first, last in _chunks(rows.shape[0], weight.shape[0]):
         gradient = _logits_gradient(rows, weight[first:last], labels, lse, first, row_scale)
-        grad_rows += (gradient @ weight[first:last]).float()
+        grad_rows.add_(gradient @ weight[first:last])  # summed in fp32 without an fp32 copy
         torch.mm(gradient.t(), rows.to(weight.dtype), out=grad_weight[first:last])
     return grad_rows.to(hidden.dtype).reshape(hidden.shape), grad_weight
 
@@ -180,7 +182,7 @@ def linear_cross_entropy_backward_update_(
     grad_rows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
     for first, last in _chunks(rows.shape[0], weight.shape[0]):
         gradient = _logits_gradient(rows, weight[first:last], labels, lse, first, row_scale)
-        grad_rows += (gradient @ weight[first:last]).float()
+        grad_rows.add_(gradient @ weight[first:last])  # summed in fp32 without an fp32 copy
         torch.ops.forge.fused_linear_update_(
             weight[first:last], gradient.t(), rows, [state[first:last] for state in states], step, hyperparameters,
             rule, options, grad_min, grad_max, quantized_states, rounding_seed, first)  # fmt: skip

@@ -79,6 +79,21 @@ Inductor had fused the last layer's rebuild this way once the logits' gradient w
 place: with the rule, the step's own buffers peak at 0.436 GiB instead of 0.446 GiB, with
 56 kernels instead of 55. In the 8-layer step no such fusion happens, with or without the
 rule (0.940 GiB, 182 kernels, the same kernels), so the 8B step is not expected to change.
+
+**Write over the inputs a fused pointwise kernel reads last**
+(:func:`write_over_inputs_a_pointwise_kernel_reads_last`). A SwiGLU MLP's backward is one
+pointwise kernel of three fused nodes: from the gate and up matmuls' outputs and the down
+projection's input gradient (three [tokens, 14336] buffers at 8B, none read afterwards) it
+makes the product the down projection's update reads, the up gradient and the gate
+gradient. Inductor's in-place rule lets a node write over an input only when no other
+pending node reads it, and the kernel's other nodes count, so the three outputs got new
+buffers: 84 MiB at the top of the 8B backward. Inside a pointwise Triton kernel every load
+of a block comes before any store (the body is loads, compute, stores), so forge counts the
+kernel's own other nodes as done for that check, keeps Inductor's requirement that every
+node reads the buffer at the output's index, and hides an input another output already
+goes over. In torch 2.11's Triton code for the 8-layer 8B-wide step the outputs go over
+the inputs, and the step's own buffers peak at 0.707 GiB instead of 0.789 GiB
+(``benchmarks/step_buffers.py``).
 """
 
 from __future__ import annotations
@@ -302,3 +317,72 @@ def reuse_buffers_read_by_a_later_gather():
     with _fusions_refused_where(keeps_a_buffer_from_reuse, "a later gather would keep a buffer from reuse"), \
             unittest.mock.patch.object(ir.StorageBox, "has_exceeded_max_reads", has_exceeded_max_reads):  # fmt: skip
         yield
+
+
+def _pointwise_siblings(node) -> set:
+    """Names of the other nodes of the pointwise kernel ``node`` is fused into: all plain
+    scheduler nodes, no reduction, template or mutation. Empty otherwise."""
+    from torch._inductor.scheduler import FusedSchedulerNode, SchedulerNode
+
+    try:
+        fused = node.scheduler.get_fused_node(node)
+    except (KeyError, AttributeError):
+        return set()
+    if fused is node or not isinstance(fused, FusedSchedulerNode) or fused.is_reduction() or fused.is_template():
+        return set()
+    parts = fused.get_nodes()
+    for part in parts:
+        if not isinstance(part, SchedulerNode) or part.is_reduction() or part.node.get_mutation_names():
+            return set()
+    return {part.get_name() for part in parts if part is not node}
+
+
+@contextlib.contextmanager
+def write_over_inputs_a_pointwise_kernel_reads_last():
+    """Within the block, a pointwise Triton kernel of several fused nodes may write an
+    output over an input that only the kernel itself still reads (see the module
+    docstring). Process-wide while it lasts, like :func:`reuse_buffers_past_ordering_deps`."""
+    try:
+        from torch._inductor.codegen.triton import TritonKernel
+        from torch._inductor.scheduler import SchedulerNode
+        from torch._inductor.virtualized import V
+    except ImportError:
+        yield
+        return
+    original = getattr(SchedulerNode, "decide_inplace_update", None)
+    if original is None:
+        yield
+        return
+
+    @functools.wraps(original)
+    def decide_inplace_update(self) -> None:
+        kernel = V.kernel
+        decided = getattr(kernel, "inplace_update_buffers", None)
+        siblings = _pointwise_siblings(self) if isinstance(kernel, TritonKernel) and decided is not None else set()
+        if not siblings or getattr(kernel, "inside_reduction", False):
+            return original(self)
+        outputs = {buf.get_name() for buf in self.get_outputs()}
+        if outputs & decided.keys():
+            return None  # decided when the kernel's nodes were first visited; codegen asks again
+        # The siblings' reads count as done: a pointwise kernel loads every input of its
+        # block before it stores any output (Inductor's Triton body is loads, compute,
+        # stores), and the original check still requires each buffer to be read at the
+        # output's index by every node of the kernel. An input another node's output already
+        # goes over is hidden, so that no two outputs share one.
+        completed, removed = self.scheduler.completed_operations, V.graph.removed_buffers
+        hidden = set(decided.values()) - set(removed)
+        marked = siblings - set(completed)
+        completed.update(marked)
+        removed.update(hidden)
+        try:
+            original(self)
+        finally:
+            for name in marked:
+                completed.discard(name)
+            for name in hidden:
+                removed.discard(name)
+        return None
+
+    with unittest.mock.patch.object(SchedulerNode, "decide_inplace_update", decide_inplace_update):
+        yield
+

@@ -180,5 +180,81 @@ def test_a_large_value_used_only_by_its_cast_is_stored_as_the_cast(rule, monkeyp
     assert len(fp32_values) == (0 if rule else 1)
 
 
+# --- a pointwise kernel of several fused nodes writes over the inputs only it still reads ---
+
+
+def _swiglu_backward_like(a, gate_weight, up_weight, grad_output, down_weight):
+    """A SwiGLU MLP's backward as forge's step computes it: from the gate and up matmuls'
+    outputs and the down projection's input gradient, one fused pointwise kernel makes the
+    product (the down projection's update reads it), the up gradient and the gate gradient,
+    each read by a matmul."""
+    gate, up = a @ gate_weight, a @ up_weight
+    grad_product = grad_output @ down_weight
+    silu = F.silu(gate)
+    product = silu * up
+    grad_up = grad_product * silu
+    sigmoid = torch.sigmoid(gate.float())
+    grad_gate = (grad_product * up).float() * sigmoid * (1 + gate.float() * (1 - sigmoid))
+    return product.t() @ a, grad_up @ up_weight.t(), grad_gate.to(a.dtype) @ gate_weight.t()
+
+
+def _swiglu_inputs(device="cpu"):
+    torch.manual_seed(0)
+    a, gate_weight, up_weight = (torch.randn(ROWS, 32, device=device, dtype=torch.bfloat16),
+                                 torch.randn(32, COLUMNS, device=device, dtype=torch.bfloat16) / 6,
+                                 torch.randn(32, COLUMNS, device=device, dtype=torch.bfloat16) / 6)  # fmt: skip
+    grad_output, down_weight = (torch.randn(ROWS, 32, device=device, dtype=torch.bfloat16),
+                                torch.randn(32, COLUMNS, device=device, dtype=torch.bfloat16) / 6)  # fmt: skip
+    return a, gate_weight, up_weight, grad_output, down_weight
+
+
+def _triton_swiglu_code(rule: bool) -> str:
+    import unittest.mock
+
+    import torch.utils._triton as triton_utils
+    from torch._inductor.graph import GraphLowering
+
+    codes = []
+    original = GraphLowering.codegen
+
+    def codegen(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        codes.append(getattr(result[0], "value", result[0]))
+        return result
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(unittest.mock.patch.object(GraphLowering, "codegen", codegen))
+        stack.enter_context(unittest.mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "forge-check"))
+        stack.enter_context(torch._inductor.config.patch(cpu_backend="triton", compile_threads=1, fx_graph_cache=False))
+        if rule:
+            stack.enter_context(scheduling.write_over_inputs_a_pointwise_kernel_reads_last())
+        torch._dynamo.reset()
+        try:
+            torch.compile(_swiglu_backward_like)(*_swiglu_inputs())
+        except Exception:  # noqa: BLE001 - the kernels cannot be built here; the wrapper was written before
+            pass
+    assert codes, "Inductor wrote no wrapper"
+    return codes[-1]
+
+
+@pytest.mark.parametrize("rule", [True, False], ids=["forge", "without-the-rule"])
+def test_a_fused_pointwise_kernel_writes_its_outputs_over_inputs_it_reads_last(rule):
+    buffers = int(last_line_outside_the_interpreter(__file__, "swiglu", str(int(rule))))
+    # The three matmul outputs, and without the rule the kernel's three outputs beside them.
+    assert buffers == (3 if rule else 6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the rule applies to Triton kernels, which run on a GPU")
+def test_the_pointwise_kernel_writing_over_its_inputs_computes_eagers_values(no_inductor_cache):
+    inputs = _swiglu_inputs("cuda")
+    torch._dynamo.reset()
+    with scheduling.write_over_inputs_a_pointwise_kernel_reads_last():
+        results = torch.compile(_swiglu_backward_like)(*inputs)
+    for result, expected in zip(results, _swiglu_backward_like(*inputs)):
+        torch.testing.assert_close(result, expected, rtol=2e-2, atol=2e-1)
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["triton"]:
     print(_allocations_of(_triton_wrapper_code(bool(int(sys.argv[2]))), ROWS * COLUMNS))
+if __name__ == "__main__" and sys.argv[1:2] == ["swiglu"]:
+    print(_allocations_of(_triton_swiglu_code(bool(int(sys.argv[2]))), ROWS * COLUMNS))
