@@ -227,6 +227,24 @@ def recompute_section() -> list[str]:
     return lines
 
 
+def step_buffers_section() -> list[str]:
+    data = _result("step_buffers_cpu")
+    if data is None:
+        return []
+    cases = [c for c in data["cases"] if not c.get("tiny")]
+    lines = ["**The step's own buffers as a GPU allocates them** (Llama-3.1-8B width, micro-batch 1 x 1024, bf16; "
+             "Inductor's Triton code for the step written on a CPU host and its allocations replayed, weights, states "
+             "and the batch not counted; `python benchmarks/step_buffers.py --layers N`; raw data: "
+             "`benchmarks/results/step_buffers_cpu.json`):", "",
+             "| torch | layers | mode | peak of the step's own buffers | where | kernel and op launches | date |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for c in sorted(cases, key=lambda c: (c["environment"]["torch"], c["layers"], c["variant"])):
+        where = c["peak_at"].split("(")[0].split(".run")[0]
+        lines.append(f"| {c['environment']['torch']} | {c['layers']} | {STEP_MODES[c['variant']]} | "
+                     f"{c['peak_bytes'] / 2**30:.3f} GiB | `{where}` | {c['launches']} | {c['environment']['date'][:10]} |")  # fmt: skip
+    return lines
+
+
 def cudagraphs_section() -> list[str]:
     data = _result("step_4layers")
     if data is None:
@@ -562,7 +580,7 @@ def capacity_section(name: str) -> list[str]:
 
 
 def render() -> str:
-    sections = [hf_llama_section(), memory_section(), recompute_section(), every_rule_section(), mixed_models_section(), convergence_section(),
+    sections = [hf_llama_section(), memory_section(), recompute_section(), step_buffers_section(), every_rule_section(), mixed_models_section(), convergence_section(),
                 quantization_section(), step_section(), step_section("step_h100"), capacity_section("capacity"),
                 capacity_section("capacity_h100"), cudagraphs_section(), compile_time_section(),
                 warp_specialized_section(), kernel_configs_section(),

@@ -114,21 +114,25 @@ def test_the_step_updates_the_head_by_chunks_and_stores_no_logits(chunked, chunk
     assert (not _vocabulary_buffers(code)) == chunked
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_a_llama_step_with_the_chunked_head_matches_torch_optim_adamw(tied, chunks_of_256, no_inductor_cache):
+def test_a_llama_step_with_the_chunked_head_matches_torch_optim_adamw(tied, device, chunks_of_256, no_inductor_cache):
     """Untied, the head is updated chunk by chunk; tied to the embedding (Qwen3-0.6B), its
-    gradient is a sum with the embedding's and the update reads it whole."""
+    gradient is a sum with the embedding's and the update reads it whole. On a GPU the step
+    is Inductor's Triton code, with forge's scheduler rules (forge_compile/scheduling.py)."""
     transformers = pytest.importorskip("transformers")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     config_ = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=96, num_hidden_layers=1,
                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
                                        attn_implementation="sdpa", use_cache=False)  # fmt: skip
-    model = transformers.LlamaForCausalLM(config_)
+    model = transformers.LlamaForCausalLM(config_).to(device)
     reference = twin(model)
     optimizer = forge_compile.optim.AdamW(model.parameters(), lr=1e-3)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
 
     step = torch.compile(lambda tokens: causal_lm_step(model, optimizer, tokens), backend="forge")
-    tokens = torch.randint(0, VOCAB, (2, TOKENS // 2))
+    tokens = torch.randint(0, VOCAB, (2, TOKENS // 2), device=device)
     report = forge_compile.explain(step, tokens)
     causal_lm_step(reference, reference_optimizer, tokens)
     assert ("lm_head.weight" in [d.name.split(".", 1)[-1] for d in report.fused]) != tied
