@@ -72,12 +72,43 @@ def replay(code: str) -> dict:
             "launches": sum(bool(_LAUNCH.search(line)) and not line.lstrip().startswith("#") for line in lines)}  # fmt: skip
 
 
-def wrapper_code(layers: int, settings: dict, tiny: bool = False) -> str:
-    """Inductor's wrapper for the step, with Triton kernels for the CPU (written, not built)."""
+def written_wrapper(run, *patches) -> str:
+    """The last wrapper Inductor writes while ``run()`` compiles, with Triton kernels for the
+    CPU (``cpu_backend="triton"``: a GPU's code for another device). The kernels are written,
+    not built: the host may have no Triton CPU back end, and ``run`` failing on that is
+    expected. ``patches``: context managers entered around the run."""
+    import contextlib
     import unittest.mock
 
     import torch.utils._triton as triton_utils
     from torch._inductor.graph import GraphLowering
+
+    codes = []
+    original = GraphLowering.codegen
+
+    def codegen(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        codes.append(getattr(result[0], "value", result[0]))
+        return result
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(unittest.mock.patch.object(GraphLowering, "codegen", codegen))
+        stack.enter_context(unittest.mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "forge-triton-code"))
+        stack.enter_context(torch._inductor.config.patch(cpu_backend="triton", compile_threads=1, fx_graph_cache=False))
+        for patch in patches:
+            stack.enter_context(patch)
+        torch._dynamo.reset()
+        try:
+            run()
+        except Exception:  # noqa: BLE001 - the kernels cannot be built here; the wrapper was written before
+            pass
+    if not codes:
+        raise RuntimeError("Inductor wrote no wrapper")
+    return codes[-1]
+
+
+def wrapper_code(layers: int, settings: dict, tiny: bool = False) -> str:
+    """Inductor's wrapper for the step, with Triton kernels for the CPU (written, not built)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import forge_compile
@@ -93,24 +124,7 @@ def wrapper_code(layers: int, settings: dict, tiny: bool = False) -> str:
     model = build_causal_lm(LlamaForCausalLM, config, torch.device("cpu"), torch.bfloat16)
     step = torch.compile(causal_lm_train_step(model, forge_compile.optim.AdamW(model.parameters(), lr=1e-5)),
                          backend="forge")  # fmt: skip
-    codes = []
-    original = GraphLowering.codegen
-
-    def codegen(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        codes.append(getattr(result[0], "value", result[0]))
-        return result
-
-    with unittest.mock.patch.object(GraphLowering, "codegen", codegen), \
-            unittest.mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "forge-step-buffers"), \
-            torch._inductor.config.patch(cpu_backend="triton", compile_threads=1, fx_graph_cache=False):  # fmt: skip
-        try:
-            step(torch.randint(0, config.vocab_size, (1, 16 if tiny else 1024)))
-        except Exception:  # noqa: BLE001 - the kernels cannot be built here; the wrapper was written before
-            pass
-    if not codes:
-        raise RuntimeError("Inductor wrote no wrapper")
-    return codes[-1]
+    return written_wrapper(lambda: step(torch.randint(0, config.vocab_size, (1, 16 if tiny else 1024))))
 
 
 def main() -> int:

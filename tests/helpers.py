@@ -152,6 +152,19 @@ def last_line_outside_the_interpreter(script: str, *arguments: str) -> str:
     return child.stdout.strip().splitlines()[-1]
 
 
+def triton_wrapper_written_for_the_cpu(run, *patches) -> str:
+    """The last wrapper Inductor writes while ``run()`` compiles, with Triton kernels for the
+    CPU, written and not built (benchmarks/step_buffers.py's ``written_wrapper``)."""
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.append(root)
+    from benchmarks.step_buffers import written_wrapper
+
+    return written_wrapper(run, *patches)
+
+
 # --- the 8-bit code's round-trip bounds (forge_compile/rules/storage.py), stated independently ---
 def block_absmax(x: torch.Tensor) -> torch.Tensor:
     """Each element's block scale: the largest |x| of its run of 64 along the row."""

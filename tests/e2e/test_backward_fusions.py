@@ -8,14 +8,14 @@ check runs on Inductor's Triton code, the code a GPU gets, written on the CPU in
 process without the interpreter; its kernels are generated, not built.
 """
 
-import contextlib
 import re
 import sys
 import unittest.mock
 
 import pytest
 import torch
-from helpers import assert_matches_torch_optim, causal_lm_step, last_line_outside_the_interpreter, twin
+from helpers import (assert_matches_torch_optim, causal_lm_step, last_line_outside_the_interpreter,
+                     triton_wrapper_written_for_the_cpu, twin)
 
 import forge_compile
 from forge_compile import scheduling
@@ -55,32 +55,11 @@ def _model():
 
 def _triton_step_code(refuse: bool) -> str:
     """The compiled step's wrapper with Triton kernels for the CPU."""
-    import torch.utils._triton as triton_utils
-    from torch._inductor.graph import GraphLowering
-
-    codes = []
-    original = GraphLowering.codegen
-
-    def codegen(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        codes.append(getattr(result[0], "value", result[0]))
-        return result
-
     model = _model()
     optimizer = forge_compile.optim.AdamW(model.parameters(), lr=LR)
     step = torch.compile(lambda tokens: causal_lm_step(model, optimizer, tokens), backend="forge")
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(unittest.mock.patch.object(GraphLowering, "codegen", codegen))
-        stack.enter_context(unittest.mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "forge-check"))
-        if not refuse:
-            stack.enter_context(unittest.mock.patch.object(scheduling, "_side_of_the_cut", lambda node: None))
-        stack.enter_context(torch._inductor.config.patch(cpu_backend="triton", compile_threads=1, fx_graph_cache=False))
-        try:
-            step(torch.randint(0, VOCAB, (1, TOKENS)))
-        except Exception:  # noqa: BLE001 - the kernels cannot be built here; the wrapper was written before
-            pass
-    assert codes, "Inductor wrote no wrapper"
-    return codes[-1]
+    patches = [] if refuse else [unittest.mock.patch.object(scheduling, "_side_of_the_cut", lambda node: None)]
+    return triton_wrapper_written_for_the_cpu(lambda: step(torch.randint(0, VOCAB, (1, TOKENS))), *patches)
 
 
 def test_the_repeated_key_and_value_are_rebuilt_in_the_backward_in_triton_code():

@@ -6,14 +6,15 @@ cross-entropy backward must still write the logits' gradient in place: a second
 [tokens, vocabulary] buffer is 0.245 GiB at 8B. Torch 2.11's Triton code needs two more
 adjustments, each checked on its own below: a fusion refused and a cast stored."""
 
-import contextlib
 import re
 import sys
+import unittest.mock
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import last_line_outside_the_interpreter, max_param_error, sgd_at_lr_1_side_by_side
+from helpers import (last_line_outside_the_interpreter, max_param_error, sgd_at_lr_1_side_by_side,
+                     triton_wrapper_written_for_the_cpu)
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
@@ -98,31 +99,12 @@ def _cross_entropy_inputs():
 
 def _triton_wrapper_code(refuse_fusions: bool) -> str:
     """Inductor's wrapper for :func:`_cross_entropy_like` with Triton kernels for the CPU,
-    under forge's adjustments (its kernels are written, not compiled: the host may have no
-    Triton CPU back end)."""
-    import unittest.mock
-
-    import torch.utils._triton as triton_utils
-    from torch._inductor.graph import GraphLowering
-
-    codes = []
-    patches = [unittest.mock.patch.object(GraphLowering, "save_output_code", codes.append),
-               unittest.mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "forge-reuse-check")]  # fmt: skip
+    under forge's adjustments."""
+    patches = [scheduling.reuse_buffers_past_ordering_deps(), scheduling.reuse_buffers_read_by_a_later_gather()]
     if not refuse_fusions:
-        patches.append(unittest.mock.patch.object(scheduling, "_fusion_keeps_a_buffer_from_reuse", lambda *a: False))
-    with contextlib.ExitStack() as stack:
-        for patch in patches:
-            stack.enter_context(patch)
-        stack.enter_context(torch._inductor.config.patch(cpu_backend="triton", compile_threads=1, fx_graph_cache=False))
-        stack.enter_context(scheduling.reuse_buffers_past_ordering_deps())
-        stack.enter_context(scheduling.reuse_buffers_read_by_a_later_gather())
-        torch._dynamo.reset()
-        try:
-            torch.compile(_cross_entropy_like)(*_cross_entropy_inputs())
-        except Exception:  # noqa: BLE001 - the kernels cannot be built here; the wrapper was written before
-            pass
-    assert codes, "Inductor wrote no wrapper"
-    return codes[-1]
+        patches.insert(0, unittest.mock.patch.object(scheduling, "_fusion_keeps_a_buffer_from_reuse", lambda *a: False))
+    return triton_wrapper_written_for_the_cpu(lambda: torch.compile(_cross_entropy_like)(*_cross_entropy_inputs()),
+                                              *patches)  # fmt: skip
 
 
 @pytest.mark.parametrize("refused", [True, False], ids=["forge", "fusion-kept"])
@@ -209,32 +191,9 @@ def _swiglu_inputs(device="cpu"):
 
 
 def _triton_swiglu_code(rule: bool) -> str:
-    import unittest.mock
-
-    import torch.utils._triton as triton_utils
-    from torch._inductor.graph import GraphLowering
-
-    codes = []
-    original = GraphLowering.codegen
-
-    def codegen(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        codes.append(getattr(result[0], "value", result[0]))
-        return result
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(unittest.mock.patch.object(GraphLowering, "codegen", codegen))
-        stack.enter_context(unittest.mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "forge-check"))
-        stack.enter_context(torch._inductor.config.patch(cpu_backend="triton", compile_threads=1, fx_graph_cache=False))
-        if rule:
-            stack.enter_context(scheduling.write_over_inputs_a_pointwise_kernel_reads_last())
-        torch._dynamo.reset()
-        try:
-            torch.compile(_swiglu_backward_like)(*_swiglu_inputs())
-        except Exception:  # noqa: BLE001 - the kernels cannot be built here; the wrapper was written before
-            pass
-    assert codes, "Inductor wrote no wrapper"
-    return codes[-1]
+    patches = [scheduling.write_over_inputs_a_pointwise_kernel_reads_last()] if rule else []
+    return triton_wrapper_written_for_the_cpu(lambda: torch.compile(_swiglu_backward_like)(*_swiglu_inputs()),
+                                              *patches)  # fmt: skip
 
 
 @pytest.mark.parametrize("rule", [True, False], ids=["forge", "without-the-rule"])
