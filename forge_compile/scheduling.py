@@ -328,7 +328,11 @@ def _pointwise_siblings(node) -> set:
         fused = node.scheduler.get_fused_node(node)
     except (KeyError, AttributeError):
         return set()
-    if fused is node or not isinstance(fused, FusedSchedulerNode) or fused.is_reduction() or fused.is_template():
+    # Exactly one kernel: not a foreach/combo node, whose parts run as separate kernels in
+    # one launch, concurrently, so that one's stores may come before another's loads.
+    if fused is node or type(fused) is not FusedSchedulerNode or fused.is_foreach():
+        return set()
+    if fused.is_reduction() or fused.is_template():
         return set()
     parts = fused.get_nodes()
     for part in parts:
