@@ -81,6 +81,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
     rows = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     valid = labels != ignore_index
+    # What cross-entropy's kernels assert, asynchronously on a GPU (no wait for the host).
+    torch._assert_async((~valid | ((labels >= 0) & (labels < weight.shape[0]))).all(),
+                        f"forge: a label is neither a class in [0, {weight.shape[0]}) nor ignore_index={ignore_index}")  # fmt: skip
     running_max = torch.full((rows.shape[0],), float("-inf"), device=rows.device)
     running_sum = torch.zeros(rows.shape[0], device=rows.device)
     target = torch.zeros(rows.shape[0], device=rows.device)

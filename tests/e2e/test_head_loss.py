@@ -59,6 +59,14 @@ def test_every_label_ignored_gives_torchs_nan():
     assert torch.isnan(loss) and torch.isnan(_reference_loss(hidden, weight, labels, -100, "mean"))
 
 
+def test_a_label_outside_the_vocabulary_is_an_error_as_in_torch():
+    labels = torch.tensor([0, VOCAB + 3, -100, 5])
+    with pytest.raises(RuntimeError, match=f"a label is neither a class in \\[0, {VOCAB}\\) nor ignore_index=-100"):
+        torch.ops.forge.linear_cross_entropy(torch.randn(4, WIDTH), torch.randn(VOCAB, WIDTH), labels, -100, "mean")
+    with pytest.raises(IndexError):
+        _reference_loss(torch.randn(4, WIDTH), torch.randn(VOCAB, WIDTH), labels, -100, "mean")
+
+
 def test_bad_arguments_say_what_is_expected():
     with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
         torch.ops.forge.linear_cross_entropy(torch.randn(4, WIDTH), torch.randn(VOCAB, WIDTH), torch.zeros(4, dtype=torch.long),
