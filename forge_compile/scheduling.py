@@ -311,10 +311,7 @@ def reuse_buffers_read_by_a_later_gather():
     def has_exceeded_max_reads(self) -> bool:
         return original_exceeded(self) and not _only_a_cast_follows(getattr(V.graph, "current_node", None))
 
-    def keeps_a_buffer_from_reuse(scheduler, node1, node2) -> bool:
-        return _fusion_keeps_a_buffer_from_reuse(scheduler, node1, node2)
-
-    with _fusions_refused_where(keeps_a_buffer_from_reuse, "a later gather would keep a buffer from reuse"), \
+    with _fusions_refused_where(_fusion_keeps_a_buffer_from_reuse, "a later gather would keep a buffer from reuse"), \
             unittest.mock.patch.object(ir.StorageBox, "has_exceeded_max_reads", has_exceeded_max_reads):  # fmt: skip
         yield
 

@@ -157,13 +157,7 @@ def _match(update: Node) -> _Candidate:
     weight = param.meta["val"]
     if weight.dim() != 2:
         raise Rejection(explain.NOT_A_MATRIX, f"a {weight.dim()}-D parameter (bias, norm or scale), not a matmul weight")
-    if weight.dtype not in _FUSABLE_DTYPES:
-        raise Rejection(explain.UNSUPPORTED_DTYPE, f"weight dtype {weight.dtype} is not fp32, bf16 or fp16")
-    for state in states:
-        if not isinstance(state, Node) or state.op != "placeholder":
-            raise Rejection(explain.NOT_AN_INPUT, "an optimizer state is created inside the graph, not passed in")
-        if state.meta["val"].dtype not in _FUSABLE_DTYPES + ((torch.int8, torch.uint8) if quantized_states else ()):
-            raise Rejection(explain.UNSUPPORTED_DTYPE, f"state dtype {state.meta['val'].dtype} is not fp32/bf16/fp16")
+    _check_dtypes(weight, states, quantized_states)
     copies = _copies_back(update, [param, *states])
     chain, matmul_operands, transposed, (grad_min, grad_max) = _trace_gradient(grad, tuple(weight.shape))
     _check_single_consumer(chain)
@@ -171,6 +165,17 @@ def _match(update: Node) -> _Candidate:
     return _Candidate(update, param, list(states), step, list(hyperparameters), rule, list(options),
                       copies, chain, left, right, transposed, grad_min, grad_max, quantized_states,
                       rounding_seed)  # fmt: skip
+
+
+def _check_dtypes(weight: torch.Tensor, states, quantized_states: bool) -> None:
+    """Rejects a weight or state the fused op cannot take, or a state made inside the graph."""
+    if weight.dtype not in _FUSABLE_DTYPES:
+        raise Rejection(explain.UNSUPPORTED_DTYPE, f"weight dtype {weight.dtype} is not fp32, bf16 or fp16")
+    for state in states:
+        if not isinstance(state, Node) or state.op != "placeholder":
+            raise Rejection(explain.NOT_AN_INPUT, "an optimizer state is created inside the graph, not passed in")
+        if state.meta["val"].dtype not in _FUSABLE_DTYPES + ((torch.int8, torch.uint8) if quantized_states else ()):
+            raise Rejection(explain.UNSUPPORTED_DTYPE, f"state dtype {state.meta['val'].dtype} is not fp32/bf16/fp16")
 
 
 def _copies_back(update: Node, targets: list[Node]) -> list[Node]:
@@ -253,50 +258,60 @@ def _clamp_bounds(node: Node) -> tuple[float | None, float | None]:
     return tuple(None if b is None else float(b) for b in bounds)
 
 
-def _trace_gradient(grad: Node, weight_shape: tuple[int, ...]):
-    """Walk from the update's gradient back to its matmul through views, casts and at
-    most one lower and one upper clamp (clip_grad_value_), which the fused op applies to
-    the fp32 gradient tile."""
+def _walk_gradient(grad: Node):
+    """From the update's gradient back through views, casts, 2-D transposes and at most one
+    lower and one upper clamp (clip_grad_value_, which the fused op applies to the fp32
+    gradient tile) to the first other node. Returns ``(chain, that node, transposed, (low,
+    high))``; ``chain`` ends with that node when it is a node of the graph."""
     chain: list[Node] = []
     transposed = False
     low = high = None
     node = grad
-    while True:
-        if not isinstance(node, Node):
-            raise Rejection(explain.NOT_A_MATMUL, "the gradient is not a tensor computed in the graph")
-        if node.op == "placeholder":
-            raise Rejection(
-                explain.GRADIENT_FROM_OUTSIDE,
-                "the gradient was computed outside this graph (backward ran in another graph or eagerly)",
-            )
-        chain.append(node)
-        if node.target is aten.mm.default:
-            break
-        if _is_plain_cast(node):
-            node = node.args[0]
+    while isinstance(node, Node) and node.op == "call_function":
+        if _is_plain_cast(node) or (node.target in _SAME_SHAPE_OPS and _shape(node) == _shape(node.args[0])):
+            pass
         elif node.target in _TRANSPOSES and _is_2d_transpose(node):
             transposed = not transposed
-            node = node.args[0]
-        elif node.target in _SAME_SHAPE_OPS and _shape(node) == _shape(node.args[0]):
-            node = node.args[0]
         elif node.target in _CLAMPS:
             node_low, node_high = _clamp_bounds(node)
             if (node_low is not None and low is not None) or (node_high is not None and high is not None):
                 raise Rejection(explain.NOT_A_MATMUL, "gradient clamped more than once before the update")
             low = node_low if node_low is not None else low
             high = node_high if node_high is not None else high
-            node = node.args[0]
-        elif node.target is aten.add.Tensor:
-            raise _shared_or_accumulated(node)
         else:
-            raise _transformed_gradient(node)
-    expected = weight_shape[::-1] if transposed else weight_shape
-    if _shape(node) != expected:
-        raise Rejection(explain.NOT_A_MATMUL, f"the matmul's shape {_shape(node)} does not match the weight's")
+            break
+        chain.append(node)
+        node = node.args[0]
+    if isinstance(node, Node):
+        chain.append(node)
+    return chain, node, transposed, (low, high)
+
+
+def _check_clamp_bounds(low: float | None, high: float | None) -> None:
     if low is not None and high is not None and low > high:
         # min(max(g, low), high) is then not what the graph's order of clamps computes
         raise Rejection(explain.NOT_A_MATMUL, f"gradient clamped to crossed bounds [{low}, {high}]")
-    return chain, tuple(node.args), transposed, (low, high)
+
+
+def _trace_gradient(grad: Node, weight_shape: tuple[int, ...]):
+    """The update's gradient back to its matmul (:func:`_walk_gradient`)."""
+    chain, node, transposed, bounds = _walk_gradient(grad)
+    if not isinstance(node, Node):
+        raise Rejection(explain.NOT_A_MATMUL, "the gradient is not a tensor computed in the graph")
+    if node.op == "placeholder":
+        raise Rejection(
+            explain.GRADIENT_FROM_OUTSIDE,
+            "the gradient was computed outside this graph (backward ran in another graph or eagerly)",
+        )
+    if node.target is aten.add.Tensor:
+        raise _shared_or_accumulated(node)
+    if node.target is not aten.mm.default:
+        raise _transformed_gradient(node)
+    expected = weight_shape[::-1] if transposed else weight_shape
+    if _shape(node) != expected:
+        raise Rejection(explain.NOT_A_MATMUL, f"the matmul's shape {_shape(node)} does not match the weight's")
+    _check_clamp_bounds(*bounds)
+    return chain, tuple(node.args), transposed, bounds
 
 
 def _gradient_sources(node: Node) -> list[Node]:
@@ -442,21 +457,8 @@ def _match_chunked_head(update: Node) -> _ChunkedHead | None:
     Rejection when it is but cannot be fused (the update then reads the whole gradient)."""
     param, grad, states = update.args[:3]
     quantized_states, rounding_seed = _storage_arguments(update)
-    chain, node, low, high = [], grad, None, None
-    while isinstance(node, Node) and node.op == "call_function":
-        chain.append(node)
-        if node.target is operator.getitem:
-            break
-        if node.target in _CLAMPS:  # clip_grad_value_: the fused op clamps each fp32 gradient tile
-            node_low, node_high = _clamp_bounds(node)
-            if (node_low is not None and low is not None) or (node_high is not None and high is not None):
-                return None
-            low = node_low if node_low is not None else low
-            high = node_high if node_high is not None else high
-        elif not (_is_plain_cast(node) or (node.target in _SAME_SHAPE_OPS and _shape(node) == _shape(node.args[0]))):
-            return None
-        node = node.args[0]
-    else:
+    chain, node, _, (low, high) = _walk_gradient(grad)
+    if not isinstance(node, Node) or node.target is not operator.getitem or any(n.target in _TRANSPOSES for n in chain):
         return None
     backward = node.args[0]
     if not isinstance(backward, Node) or backward.target is not _HEAD_BACKWARD or node.args[1] != 1:
@@ -464,18 +466,12 @@ def _match_chunked_head(update: Node) -> _ChunkedHead | None:
     if not isinstance(param, Node) or param.op != "placeholder" or backward.args[2] is not param:
         raise Rejection(explain.NOT_AN_INPUT, "the head loss's weight is not the updated graph input")
     weight = param.meta["val"]
-    if weight.dtype not in _FUSABLE_DTYPES:
-        raise Rejection(explain.UNSUPPORTED_DTYPE, f"weight dtype {weight.dtype} is not fp32, bf16 or fp16")
+    _check_dtypes(weight, states, quantized_states)
     for state in states:
-        if not isinstance(state, Node) or state.op != "placeholder":
-            raise Rejection(explain.NOT_AN_INPUT, "an optimizer state is created inside the graph, not passed in")
         value = state.meta["val"]
-        if value.dtype not in _FUSABLE_DTYPES + ((torch.int8, torch.uint8) if quantized_states else ()):
-            raise Rejection(explain.UNSUPPORTED_DTYPE, f"state dtype {value.dtype} is not fp32/bf16/fp16")
         if value.dim() != 2 or value.shape[0] != weight.shape[0]:
             raise Rejection(explain.UNSUPPORTED_DTYPE, "an optimizer state is not laid out by the weight's rows")
-    if low is not None and high is not None and low > high:
-        raise Rejection(explain.NOT_A_MATMUL, f"gradient clamped to crossed bounds [{low}, {high}]")
+    _check_clamp_bounds(low, high)
     copies = _copies_back(update, [param, *states])
     _check_single_consumer(chain)
     return _ChunkedHead(update, backward, copies, chain, low, high, quantized_states, rounding_seed)
@@ -511,14 +507,7 @@ def _rewrite_chunked_head(graph: fx.Graph, head: _ChunkedHead) -> None:
         if item.args[1] == 0:
             item.replace_all_uses_with(fused)
             graph.erase_node(item)
-    for copy in head.copies:
-        graph.erase_node(copy)
-    for out in list(update.users):
-        graph.erase_node(out)
-    graph.erase_node(update)
-    for node in head.chain:
-        if not node.users:
-            graph.erase_node(node)
+    _erase_update(graph, update, head.copies, head.chain)
     graph.erase_node(backward)
 
 # --- rewriting --------------------------------------------------------------------------------
@@ -600,12 +589,18 @@ def _rewrite(graph: fx.Graph, c: _Candidate) -> None:
         with graph.inserting_before(fused):
             fused.update_arg(1, _transpose(graph, c.right))
             fused.update_arg(2, _transpose(graph, c.left))
-    for copy in c.copies:
+    _erase_update(graph, c.update, c.copies, c.chain)
+
+
+def _erase_update(graph: fx.Graph, update: Node, copies: list[Node], chain: list[Node]) -> None:
+    """Remove a replaced update: its copies back, its outputs, itself and the gradient's
+    nodes nothing reads any more."""
+    for copy in copies:
         graph.erase_node(copy)
-    for out in list(c.update.users):
+    for out in list(update.users):
         graph.erase_node(out)
-    graph.erase_node(c.update)
-    for node in c.chain:
+    graph.erase_node(update)
+    for node in chain:
         if not node.users:
             graph.erase_node(node)
 
