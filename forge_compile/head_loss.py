@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .config import config
+from .ops import _use_triton
 
 # A chunk's fp32 logits take about this many bytes. The chunk's temporaries are what the
 # step holds in place of the whole logits: its logits in bf16 and fp32, or their gradient
@@ -87,7 +88,13 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
     running_max = torch.full((rows.shape[0],), float("-inf"), device=rows.device)
     running_sum = torch.zeros(rows.shape[0], device=rows.device)
     target = torch.zeros(rows.shape[0], device=rows.device)
+    in_one_pass = _use_triton(weight)
+    if in_one_pass:
+        from .kernels.head_loss import fold_chunk_
     for first, last in _chunks(rows.shape[0], weight.shape[0]):
+        if in_one_pass:
+            fold_chunk_(rows @ weight[first:last].t(), labels, running_max, running_sum, target, first, ignore_index)
+            continue
         logits = (rows @ weight[first:last].t()).float()
         here = valid & (labels >= first) & (labels < last)
         column = (labels - first).clamp(0, last - first - 1)
@@ -115,6 +122,10 @@ def _logits_gradient(rows: Tensor, weight_rows: Tensor, labels: Tensor, lse: Ten
                      row_scale: Tensor) -> Tensor:  # fmt: skip
     """``(softmax - one_hot) * row_scale`` over the columns ``first:first + len(weight_rows)``,
     in the weight's dtype."""
+    if _use_triton(weight_rows):
+        from .kernels.head_loss import logits_gradient_
+
+        return logits_gradient_(rows @ weight_rows.t(), labels, lse, row_scale, first)
     columns = weight_rows.shape[0]
     gradient = (rows @ weight_rows.t()).float().sub_(lse[:, None]).exp_()  # in place: one fp32 chunk alive
     here = (labels >= first) & (labels < first + columns)

@@ -11,7 +11,14 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_matches_torch_optim, causal_lm_step, max_param_error, sgd_at_lr_1_side_by_side, twin
+from helpers import (
+    assert_matches_torch_optim,
+    causal_lm_step,
+    max_param_error,
+    needs_triton,
+    sgd_at_lr_1_side_by_side,
+    twin,
+)
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
@@ -33,12 +40,25 @@ def _reference_loss(hidden, weight, labels, ignore_index, reduction):
                            ignore_index=ignore_index, reduction=reduction)  # fmt: skip
 
 
+# The chunk's point-wise work as torch ops, or as forge's one-pass Triton kernels
+# (kernels/head_loss.py: no tl.dot, so bf16 runs right under the interpreter too).
+KERNELS = ["torch", pytest.param("triton", marks=needs_triton)]
+
+
+@pytest.fixture(params=KERNELS)
+def chunk_kernels(request, monkeypatch):
+    """The device the chunk kernels run on: Triton's on a GPU where there is one."""
+    monkeypatch.setattr(config, "kernel", request.param)
+    return "cuda" if request.param == "triton" and torch.cuda.is_available() else "cpu"
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_chunked_loss_and_its_gradients_are_cross_entropys(reduction, dtype, chunks_of_256):
-    hidden = torch.randn(2, TOKENS // 2, WIDTH, dtype=dtype, requires_grad=True)
-    weight = (torch.randn(VOCAB, WIDTH) / WIDTH**0.5).to(dtype).requires_grad_()
-    labels = torch.randint(0, VOCAB, (TOKENS,))
+def test_the_chunked_loss_and_its_gradients_are_cross_entropys(reduction, dtype, chunks_of_256, chunk_kernels):
+    device = chunk_kernels
+    hidden = torch.randn(2, TOKENS // 2, WIDTH, dtype=dtype, device=device, requires_grad=True)
+    weight = (torch.randn(VOCAB, WIDTH, device=device) / WIDTH**0.5).to(dtype).requires_grad_()
+    labels = torch.randint(0, VOCAB, (TOKENS,), device=device)
     labels[[0, 7, 31]] = -100
     labels[1], labels[2] = CHUNK - 1, CHUNK  # either side of a boundary
     loss, _ = torch.ops.forge.linear_cross_entropy(hidden, weight, labels, -100, reduction)
@@ -52,9 +72,9 @@ def test_the_chunked_loss_and_its_gradients_are_cross_entropys(reduction, dtype,
         torch.testing.assert_close(grad, expected_grad, **tolerance)
 
 
-def test_every_label_ignored_gives_torchs_nan():
-    hidden, weight = torch.randn(4, WIDTH), torch.randn(VOCAB, WIDTH)
-    labels = torch.full((4,), -100)
+def test_every_label_ignored_gives_torchs_nan(chunk_kernels):
+    hidden, weight = torch.randn(4, WIDTH, device=chunk_kernels), torch.randn(VOCAB, WIDTH, device=chunk_kernels)
+    labels = torch.full((4,), -100, device=chunk_kernels)
     loss, _ = torch.ops.forge.linear_cross_entropy(hidden, weight, labels, -100, "mean")
     assert torch.isnan(loss) and torch.isnan(_reference_loss(hidden, weight, labels, -100, "mean"))
 
