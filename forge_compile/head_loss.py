@@ -134,6 +134,25 @@ def _logits_gradient(rows: Tensor, weight_rows: Tensor, labels: Tensor, lse: Ten
     return gradient.mul_(row_scale[:, None]).to(weight_rows.dtype)
 
 
+_FP32_ACCUMULATING_ADDMM: list[bool] = []
+
+
+def _add_product_(total: Tensor, a: Tensor, b: Tensor) -> None:
+    """``total += a @ b`` for an fp32 ``total``. On a GPU cuBLAS adds the bf16/fp16 product
+    into ``total`` in fp32 (addmm's out_dtype): no product rounded to bf16, no temporary.
+    Elsewhere the product is rounded to the operands' dtype and then summed in fp32."""
+    if total.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _FP32_ACCUMULATING_ADDMM != [False]:
+        try:
+            torch.ops.aten.addmm.dtype_out(total, a, b, torch.float32, out=total)
+            _FP32_ACCUMULATING_ADDMM[:] = [True]
+            return
+        except (RuntimeError, NotImplementedError):  # a torch or GPU without it
+            if _FP32_ACCUMULATING_ADDMM == [True]:
+                raise
+            _FP32_ACCUMULATING_ADDMM[:] = [False]
+    total.add_(a @ b)
+
+
 def _row_scale(grad_loss: Tensor, labels: Tensor, ignore_index: int, reduction: str) -> Tensor:
     valid = labels != ignore_index
     scale = grad_loss.float() if reduction == "sum" else grad_loss.float() / valid.sum()
@@ -152,7 +171,7 @@ def linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Ten
     grad_weight = torch.empty_like(weight)
     for first, last in _chunks(rows.shape[0], weight.shape[0]):
         gradient = _logits_gradient(rows, weight[first:last], labels, lse, first, row_scale)
-        grad_rows.add_(gradient @ weight[first:last])  # summed in fp32 without an fp32 copy
+        _add_product_(grad_rows, gradient, weight[first:last])
         torch.mm(gradient.t(), rows.to(weight.dtype), out=grad_weight[first:last])
     return grad_rows.to(hidden.dtype).reshape(hidden.shape), grad_weight
 
@@ -196,7 +215,7 @@ def linear_cross_entropy_backward_update_(
     grad_rows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
     for first, last in _chunks(rows.shape[0], weight.shape[0]):
         gradient = _logits_gradient(rows, weight[first:last], labels, lse, first, row_scale)
-        grad_rows.add_(gradient @ weight[first:last])  # summed in fp32 without an fp32 copy
+        _add_product_(grad_rows, gradient, weight[first:last])
         torch.ops.forge.fused_linear_update_(
             weight[first:last], gradient.t(), rows, [state[first:last] for state in states], step, hyperparameters,
             rule, options, grad_min, grad_max, quantized_states, rounding_seed, first)  # fmt: skip
