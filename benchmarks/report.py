@@ -235,7 +235,7 @@ def step_buffers_section() -> list[str]:
     lines = ["**The step's own buffers as a GPU allocates them** (Llama-3.1-8B width, micro-batch 1 x 1024, bf16; "
              "Inductor's Triton code for the step written on a CPU host and its allocations replayed, weights, states "
              "and the batch not counted, nor what an op such as attention or the chunked head loss allocates inside "
-             "(the head loss's chunk temporaries: about 40 MiB at this size); `python benchmarks/step_buffers.py "
+             "(the head loss's chunk temporaries on a GPU: 24 MiB at this size); `python benchmarks/step_buffers.py "
              "--layers N`; raw data: `benchmarks/results/step_buffers_cpu.json`):", "",
              "| torch | layers | mode | peak of the step's own buffers | where | kernel and op launches | date |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip

@@ -34,12 +34,13 @@ from torch import Tensor
 from .config import config
 from .ops import _use_triton
 
-# A chunk's fp32 logits take about this many bytes. The chunk's temporaries are what the
-# step holds in place of the whole logits: its logits in bf16 and fp32, or their gradient
-# and its share of the hidden gradient, next to that gradient's fp32 sum; at most about 2.5
-# times this at 1 x 1024 tokens (40 MiB against 245 MiB of logits). That is 4096 columns,
-# 32 chunks of a 128256 vocabulary, whose matmuls (34 GFLOP a chunk) are long enough next
-# to a chunk's dozen launches from Python.
+# A chunk's fp32 logits take about this many bytes: 4096 columns at 1 x 1024 tokens, 32
+# chunks of a 128256 vocabulary, whose matmuls (34 GFLOP a chunk) are long enough next to
+# a chunk's launches from Python. The chunk's temporaries are what the step holds in place
+# of the whole logits (245 MiB at that size). On a GPU (kernels/head_loss.py) that is the
+# chunk's logits in bf16, which their gradient overwrites, beside the hidden gradient's fp32
+# sum: 24 MiB. The torch ops of the CPU path also hold the chunk in fp32 and each chunk's
+# share of the hidden gradient: about 40 MiB.
 _CHUNK_BYTES = 16 << 20
 # ... but at least this many columns: with many tokens the chunks stay large enough for the
 # matmuls and the fused update's launches to run at speed.
