@@ -29,6 +29,7 @@ from benchmarks.utils import run_in_subprocess, write_result  # noqa: E402
 
 KINDS = [  # (kind, pattern on the kernel name), first match wins
     ("forge fused dW + update", r"_fused_linear_update_kernel|_hopper_linear_update_kernel"),
+    ("forge head loss chunks", r"_fold_chunk_kernel|_logits_gradient_kernel"),
     ("optimizer (Inductor foreach)", r"^triton_for_"),
     ("optimizer (torch fused)", r"adam|multi_tensor_apply"),
     ("embedding backward", r"embedding|indexing_backward|compute_grad_weight|sum_and_scatter|krn_partial"),
