@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.step import build, optimizer_step, timed_ms  # noqa: E402
-from benchmarks.utils import run_in_subprocess, write_result  # noqa: E402
+from benchmarks.utils import for_this_card, run_in_subprocess, write_result  # noqa: E402
 
 KINDS = [  # (kind, pattern on the kernel name), first match wins
     ("forge fused dW + update", r"_fused_linear_update_kernel|_hopper_linear_update_kernel"),
@@ -101,7 +101,7 @@ def main() -> int:
         results.append(result)
         print(json.dumps({k: result.get(k) for k in ("mode", "step_ms", "kernel_ms", "gpu_idle_ms", "ms_by_kind")}),
               flush=True)  # fmt: skip
-        write_result("step_profile", {"cases": results})
+        write_result(for_this_card("step_profile"), {"cases": results})
     return 0
 
 
