@@ -227,6 +227,34 @@ def recompute_section() -> list[str]:
     return lines
 
 
+HEAD_LOSS_MODES = {
+    "whole": "whole logits, eager",
+    "whole_compiled": "whole logits, torch.compile",
+    "chunked_torch_ops": "chunked, point-wise work as torch ops",
+    "chunked": "chunked, forge's one-pass Triton kernels",
+}
+
+
+def head_loss_section() -> list[str]:
+    lines = []
+    for name in ("head_loss", "head_loss_h100"):
+        data = _result(name)
+        if data is None:
+            continue
+        env = data["environment"]
+        lines += [f"**The head and its loss alone** (Llama-3.1-8B's head, {data['vocabulary']} x {data['width']}, bf16; "
+                  f"loss, hidden and weight gradients, the weight's whole as an unfused head returns it; {env['gpu']}, "
+                  f"torch {env['torch']}, triton {env['triton']}, {env['date'][:10]}; `{env['command']}`; raw data: "
+                  f"`benchmarks/results/{name}.json`). Time is the median of forward + backward; memory is the peak "
+                  "above the inputs, the 0.98 GiB weight gradient included.", "",
+                  "| tokens | mode | time | peak above the inputs |", "|---|---|---|---|"]  # fmt: skip
+        for case in data["cases"]:
+            lines.append(f"| {case['tokens']} | {HEAD_LOSS_MODES[case['mode']]} | {case['ms_median']:.2f} ms | "
+                         f"{case['peak_above_inputs_bytes'] / 2**30:.3f} GiB |")  # fmt: skip
+        lines.append("")
+    return lines[:-1]
+
+
 def step_buffers_section() -> list[str]:
     data = _result("step_buffers_cpu")
     if data is None:
@@ -581,7 +609,7 @@ def capacity_section(name: str) -> list[str]:
 
 
 def render() -> str:
-    sections = [hf_llama_section(), memory_section(), recompute_section(), step_buffers_section(), every_rule_section(), mixed_models_section(), convergence_section(),
+    sections = [hf_llama_section(), memory_section(), recompute_section(), step_buffers_section(), head_loss_section(), every_rule_section(), mixed_models_section(), convergence_section(),
                 quantization_section(), step_section(), step_section("step_h100"), capacity_section("capacity"),
                 capacity_section("capacity_h100"), cudagraphs_section(), compile_time_section(),
                 warp_specialized_section(), kernel_configs_section(),
