@@ -73,7 +73,11 @@ def measure(mode: str, tokens: int) -> dict:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     ms = triton.testing.do_bench(lambda: run(hidden, weight, labels), warmup=5, rep=200, return_mode="median")
-    return {"mode": mode, "tokens": tokens, "ms_median": ms, "peak_above_inputs_bytes": peak, "loss": loss.item()}
+    from forge_compile.head_loss import chunk_columns
+
+    columns = chunk_columns(VOCABULARY) if mode.startswith("chunked") else None
+    return {"mode": mode, "tokens": tokens, "chunk_columns": columns, "ms_median": ms, "peak_above_inputs_bytes": peak,
+            "loss": loss.item()}  # fmt: skip
 
 
 def main() -> int:

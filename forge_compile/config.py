@@ -56,8 +56,8 @@ class ForgeConfig:
     and passes/chunk_head_loss.py."""
 
     head_chunk_columns: int = 0
-    """Vocabulary columns per chunk of the chunked head loss; 0 chooses them from the
-    number of tokens (head_loss.chunk_columns)."""
+    """Vocabulary columns per chunk of the chunked head loss; 0 takes forge's choice
+    (head_loss.chunk_columns: 4096, whatever the number of tokens)."""
 
     dump_dir: str | None = None
     """A folder for each compiled graph's post-grad graph before and after the rewrite,

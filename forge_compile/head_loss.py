@@ -34,26 +34,28 @@ from torch import Tensor
 from .config import config
 from .ops import _use_triton
 
-# A chunk's fp32 logits take about this many bytes: 4096 columns at 1 x 1024 tokens, 32
-# chunks of a 128256 vocabulary, whose matmuls (34 GFLOP a chunk) are long enough next to
-# a chunk's launches from Python. The chunk's temporaries are what the step holds in place
-# of the whole logits (245 MiB at that size). On a GPU (kernels/head_loss.py) that is the
-# chunk's logits in bf16, which their gradient overwrites, beside the hidden gradient's fp32
-# sum: 24 MiB. The torch ops of the CPU path also hold the chunk in fp32 and each chunk's
-# share of the hidden gradient: about 40 MiB.
-_CHUNK_BYTES = 16 << 20
-# ... but at least this many columns: with many tokens the chunks stay large enough for the
-# matmuls and the fused update's launches to run at speed.
-_MIN_CHUNK_COLUMNS = 1024
+# Columns of the vocabulary in a chunk, whatever the number of tokens T. Each chunk reads
+# and writes the hidden gradient's fp32 sum once (T x width x 8 bytes) next to its four
+# matmuls (8 x T x width x columns FLOPs); the ratio of the two does not depend on T, only on
+# the columns: on an H100 (~3 TB/s, ~700 TFLOP/s) about 233 / columns, 6% at 4096 and 23%
+# at 1024. A chunk size set in bytes instead (16 MiB of fp32 logits, at least 1024 columns)
+# measured 36.7 ms for the head's loss and gradients at 4 x 1024 tokens, 126 chunks of 1024
+# columns, where the whole logits compiled took 18.9 ms and the extra matmul accounts for
+# about 6 ms (benchmarks/head_loss.py, results/head_loss_h100.json); at 1 x 1024 tokens,
+# 32 chunks of 4096 columns, 9.2 against 5.0 ms. A chunk's matmuls (34 GFLOP at 1 x 1024
+# tokens and Llama-3.1-8B's width) are also long enough next to its launches from Python.
+# The chunk's temporaries are what the step holds in place of the whole logits (1/32 of them
+# at a 128256 vocabulary): on a GPU (kernels/head_loss.py) its logits in bf16, which their
+# gradient overwrites, beside the hidden gradient's fp32 sum, 24 MiB at 1 x 1024 tokens; the
+# torch ops of the CPU path also hold the chunk in fp32 and each chunk's share of the hidden
+# gradient, about 40 MiB there.
+_CHUNK_COLUMNS = 4096
 
 
-def chunk_columns(rows: int, vocabulary: int) -> int:
-    """Columns of the vocabulary in one chunk for ``rows`` tokens (a multiple of 128, so
-    that a chunk of weight rows starts on an aligned address)."""
-    if config.head_chunk_columns:
-        return min(vocabulary, config.head_chunk_columns)
-    columns = max(_MIN_CHUNK_COLUMNS, _CHUNK_BYTES // (4 * max(1, rows))) // 128 * 128
-    return min(vocabulary, columns)
+def chunk_columns(vocabulary: int) -> int:
+    """Columns of the vocabulary in one chunk: ``config.head_chunk_columns`` where set, else
+    4096 (a multiple of 128 too, so that a chunk of weight rows starts on an aligned address)."""
+    return min(vocabulary, config.head_chunk_columns or _CHUNK_COLUMNS)
 
 
 def _check(hidden: Tensor, weight: Tensor, labels: Tensor, reduction: str) -> None:
@@ -67,8 +69,8 @@ def _check(hidden: Tensor, weight: Tensor, labels: Tensor, reduction: str) -> No
                          f"for {hidden.numel() // max(1, hidden.shape[-1])} rows")  # fmt: skip
 
 
-def _chunks(rows: int, vocabulary: int):
-    step = chunk_columns(rows, vocabulary)
+def _chunks(vocabulary: int):
+    step = chunk_columns(vocabulary)
     for first in range(0, vocabulary, step):
         yield first, min(first + step, vocabulary)
 
@@ -92,7 +94,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
     in_one_pass = _use_triton(weight)
     if in_one_pass:
         from .kernels.head_loss import fold_chunk_
-    for first, last in _chunks(rows.shape[0], weight.shape[0]):
+    for first, last in _chunks(weight.shape[0]):
         if in_one_pass:
             fold_chunk_(rows @ weight[first:last].t(), labels, running_max, running_sum, target, first, ignore_index)
             continue
@@ -170,7 +172,7 @@ def linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Ten
     row_scale = _row_scale(grad_loss, labels, ignore_index, reduction)
     grad_rows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
     grad_weight = torch.empty_like(weight)
-    for first, last in _chunks(rows.shape[0], weight.shape[0]):
+    for first, last in _chunks(weight.shape[0]):
         gradient = _logits_gradient(rows, weight[first:last], labels, lse, first, row_scale)
         _add_product_(grad_rows, gradient, weight[first:last])
         torch.mm(gradient.t(), rows.to(weight.dtype), out=grad_weight[first:last])
@@ -214,7 +216,7 @@ def linear_cross_entropy_backward_update_(
     labels = labels.reshape(-1)
     row_scale = _row_scale(grad_loss, labels, ignore_index, reduction)
     grad_rows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
-    for first, last in _chunks(rows.shape[0], weight.shape[0]):
+    for first, last in _chunks(weight.shape[0]):
         gradient = _logits_gradient(rows, weight[first:last], labels, lse, first, row_scale)
         _add_product_(grad_rows, gradient, weight[first:last])
         torch.ops.forge.fused_linear_update_(
