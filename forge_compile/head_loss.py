@@ -28,6 +28,8 @@ does.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -83,7 +85,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
     log-sum-exp, which the backward reads."""
     _check(hidden, weight, labels, reduction)
     rows = hidden.reshape(-1, hidden.shape[-1])
-    labels = labels.reshape(-1)
+    labels = labels.reshape(-1).contiguous()  # the chunk kernels read it by row
     valid = labels != ignore_index
     # What cross-entropy's kernels assert, asynchronously on a GPU (no wait for the host).
     torch._assert_async((~valid | ((labels >= 0) & (labels < weight.shape[0]))).all(),
@@ -105,8 +107,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
         new_max = torch.maximum(running_max, logits.amax(dim=1))
         # exp(-inf - -inf) is nan: a row whose maximum so far is -inf has summed nothing.
         carried = torch.where(running_max == float("-inf"), 0.0, torch.exp(running_max - new_max))
-        # In place: the chunk's fp32 logits stay its only [tokens, columns] fp32 buffer.
-        running_sum = running_sum * carried + logits.sub_(new_max[:, None]).exp_().sum(dim=1)
+        # Shifted by 0 where the maximum is still -inf (the chunk's exponentials are all 0
+        # there); in place: the chunk's fp32 logits stay its only [tokens, columns] fp32 buffer.
+        shift = torch.where(new_max == float("-inf"), 0.0, new_max)
+        running_sum = running_sum * carried + logits.sub_(shift[:, None]).exp_().sum(dim=1)
         running_max = new_max
     lse = running_max + torch.log(running_sum)
     losses = torch.where(valid, lse - target, 0.0)
@@ -137,22 +141,31 @@ def _logits_gradient(rows: Tensor, weight_rows: Tensor, labels: Tensor, lse: Ten
     return gradient.mul_(row_scale[:, None]).to(weight_rows.dtype)
 
 
-_FP32_ACCUMULATING_ADDMM: list[bool] = []
+@functools.cache
+def _adds_half_precision_products_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch's cuBLAS matmul adds a bf16/fp16 product into an fp32 tensor (addmm
+    with out_dtype=float32 and an fp32 ``self``, which recent torch versions allow): tried
+    once per device and dtype on a 1 x 1 product."""
+    total = torch.zeros(1, 1, device=device)
+    factor = torch.ones(1, 1, device=device, dtype=dtype)
+    try:
+        torch.ops.aten.addmm.dtype_out(total, factor, factor, torch.float32, out=total)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _add_product_(total: Tensor, a: Tensor, b: Tensor) -> None:
     """``total += a @ b`` for an fp32 ``total``. On a GPU cuBLAS adds the bf16/fp16 product
     into ``total`` in fp32 (addmm's out_dtype): no product rounded to bf16, no temporary.
     Elsewhere the product is rounded to the operands' dtype and then summed in fp32."""
-    if total.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _FP32_ACCUMULATING_ADDMM != [False]:
-        try:
-            torch.ops.aten.addmm.dtype_out(total, a, b, torch.float32, out=total)
-            _FP32_ACCUMULATING_ADDMM[:] = [True]
-            return
-        except (RuntimeError, NotImplementedError):  # a torch or GPU without it
-            if _FP32_ACCUMULATING_ADDMM == [True]:
-                raise
-            _FP32_ACCUMULATING_ADDMM[:] = [False]
+    if (
+        total.is_cuda
+        and a.dtype in (torch.bfloat16, torch.float16)
+        and _adds_half_precision_products_in_fp32(total.device, a.dtype)
+    ):
+        torch.ops.aten.addmm.dtype_out(total, a, b, torch.float32, out=total)
+        return
     total.add_(a @ b)
 
 
@@ -168,7 +181,7 @@ def linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Ten
     """``(grad_hidden, grad_weight)`` of :func:`linear_cross_entropy`'s loss. The weight's
     gradient is whole here: this is the backward of a head whose update forge does not fuse."""
     rows = hidden.reshape(-1, hidden.shape[-1])
-    labels = labels.reshape(-1)
+    labels = labels.reshape(-1).contiguous()  # the chunk kernels read it by row
     row_scale = _row_scale(grad_loss, labels, ignore_index, reduction)
     grad_rows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
     grad_weight = torch.empty_like(weight)
@@ -213,7 +226,7 @@ def linear_cross_entropy_backward_update_(
     weight (8-bit states and stochastic rounding as for the whole weight: both are laid out
     by rows, and the rounding draws by the parameter's row). Returns the hidden gradient."""
     rows = hidden.reshape(-1, hidden.shape[-1])
-    labels = labels.reshape(-1)
+    labels = labels.reshape(-1).contiguous()  # the chunk kernels read it by row
     row_scale = _row_scale(grad_loss, labels, ignore_index, reduction)
     grad_rows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
     for first, last in _chunks(weight.shape[0]):

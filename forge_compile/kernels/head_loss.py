@@ -38,6 +38,8 @@ def _fold_chunk_kernel(logits_ptr, stride_row, labels_ptr, running_max_ptr, runn
     for start in range(0, columns, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         x = tl.load(base + offsets, mask=offsets < columns, other=float("-inf")).to(tl.float32)
+        # tl.max passes over a NaN logit, but the sum below does not: the row's lse and loss
+        # are NaN, as torch's are.
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
         # A maximum still -inf has summed nothing: exp(-inf - -inf) would be nan.
         carried = tl.where(running_max == float("-inf"), 0.0, tl.exp(running_max - new_max))
