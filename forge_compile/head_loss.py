@@ -36,16 +36,16 @@ from torch import Tensor
 from .config import config
 from .ops import _use_triton
 
-# Columns of the vocabulary in a chunk, whatever the number of tokens T. Each chunk reads
-# and writes the hidden gradient's fp32 sum once (T x width x 8 bytes) next to its four
-# matmuls (8 x T x width x columns FLOPs); the ratio of the two does not depend on T, only on
-# the columns: on an H100 (~3 TB/s, ~700 TFLOP/s) about 233 / columns, 6% at 4096 and 23%
-# at 1024. A chunk size set in bytes instead (16 MiB of fp32 logits, at least 1024 columns)
-# measured 36.7 ms for the head's loss and gradients at 4 x 1024 tokens, 126 chunks of 1024
-# columns, where the whole logits compiled took 18.9 ms and the extra matmul accounts for
-# about 6 ms (benchmarks/head_loss.py, results/head_loss_h100.json); at 1 x 1024 tokens,
-# 32 chunks of 4096 columns, 9.2 against 5.0 ms. A chunk's matmuls (34 GFLOP at 1 x 1024
-# tokens and Llama-3.1-8B's width) are also long enough next to its launches from Python.
+# Columns of the vocabulary in a chunk, whatever the number of tokens T. A chunk has fixed
+# costs beside its four matmuls (8 x T x width x columns FLOPs): it reads and writes the
+# hidden gradient's fp32 sum (T x width x 8 bytes), about 233 / columns of the matmuls' time
+# on an H100 (~3 TB/s, ~700 TFLOP/s), and a few launches from Python. Neither depends on
+# T, so the columns do not either. What was measured (benchmarks/head_loss.py,
+# results/head_loss_h100.json), with chunks of 16 MiB of fp32 logits, at least 1024 columns:
+# the loss and its gradients took 9.2 ms at 1 x 1024 tokens (32 chunks of 4096 columns)
+# against 5.0 ms for the whole logits compiled, and 36.7 against 18.9 ms at 4 x 1024 tokens
+# (126 chunks of 1024): about 1.9x at both, where the one extra head matmul accounts for
+# 1.33x; what the rest is was not measured, nor these 4096 columns at 4 x 1024 tokens.
 # The chunk's temporaries are what the step holds in place of the whole logits (1/32 of them
 # at a 128256 vocabulary): on a GPU (kernels/head_loss.py) its logits in bf16, which their
 # gradient overwrites, beside the hidden gradient's fp32 sum, 24 MiB at 1 x 1024 tokens; the
