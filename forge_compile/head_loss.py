@@ -105,12 +105,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
         column = (labels - first).clamp(0, last - first - 1)
         target = torch.where(here, logits.gather(1, column[:, None]).squeeze(1), target)
         new_max = torch.maximum(running_max, logits.amax(dim=1))
-        # exp(-inf - -inf) is nan: a row whose maximum so far is -inf has summed nothing.
-        carried = torch.where(running_max == float("-inf"), 0.0, torch.exp(running_max - new_max))
-        # Shifted by 0 where the maximum is still -inf (the chunk's exponentials are all 0
-        # there); in place: the chunk's fp32 logits stay its only [tokens, columns] fp32 buffer.
+        # Shifted by 0 while a row's maximum is -inf (nothing summed yet, nothing to add):
+        # never -inf - -inf. In place: the chunk's fp32 logits stay its only fp32 chunk.
         shift = torch.where(new_max == float("-inf"), 0.0, new_max)
-        running_sum = running_sum * carried + logits.sub_(shift[:, None]).exp_().sum(dim=1)
+        running_sum = running_sum * torch.exp(running_max - shift) + logits.sub_(shift[:, None]).exp_().sum(dim=1)
         running_max = new_max
     lse = running_max + torch.log(running_sum)
     losses = torch.where(valid, lse - target, 0.0)

@@ -41,9 +41,9 @@ def _fold_chunk_kernel(logits_ptr, stride_row, labels_ptr, running_max_ptr, runn
         # tl.max passes over a NaN logit, but the sum below does not: the row's lse and loss
         # are NaN, as torch's are.
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        # A maximum still -inf has summed nothing: exp(-inf - -inf) would be nan.
-        carried = tl.where(running_max == float("-inf"), 0.0, tl.exp(running_max - new_max))
-        running_sum = running_sum * carried + tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - new_max)), axis=0)
+        # Shifted by 0 while the maximum is -inf (nothing summed yet, nothing to add): never -inf - -inf.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
         running_max = new_max
     tl.store(running_max_ptr + row, running_max)
     tl.store(running_sum_ptr + row, running_sum)
