@@ -7,12 +7,16 @@ Llama-3.1-8B's head (128256 x 4096, bf16) at micro-batch x 1024 tokens, on one G
 * ``whole_compiled``: the same under ``torch.compile`` (Inductor fuses the point-wise work);
 * ``chunked_torch_ops``: ``forge::linear_cross_entropy`` and its unfused backward with each
   chunk's point-wise work as torch ops (``config.kernel="torch"``, the CPU path);
-* ``chunked``: the same op with forge's one-pass Triton kernels (kernels/head_loss.py),
-  what a forge step runs.
+* ``chunked``: the same op with forge's one-pass Triton kernels (kernels/head_loss.py);
+* ``whole_compiled_then_fused_adamw``: ``whole_compiled``, then ``torch._fused_adamw_`` on
+  the head from its whole gradient (bf16 states): what an unfused step does with the head;
+* ``chunked_update_fused``: the chunked loss, then its backward with each chunk's AdamW
+  update fused (``forge::linear_cross_entropy_backward_update_``): what a forge step does.
 
-Each mode: median CUDA-event time of forward + backward (the weight's gradient whole, as
-an unfused head's backward returns it), and the peak memory above the inputs. The
-chunked modes run one more head matmul (the backward computes the logits again).
+Each mode: median CUDA-event time of forward + backward (the first four return the weight's
+gradient whole, as an unfused head's backward does; the last two also update the weight),
+and the peak memory above the inputs. The chunked modes run one more head matmul (the
+backward computes the logits again).
 
     PYTHONPATH=. python benchmarks/head_loss.py [--batches 1,4]   # writes results/head_loss.json (_h100 on an H100)
 """
@@ -30,51 +34,95 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.utils import for_this_card, write_result
 
 VOCABULARY, WIDTH, SEQ = 128256, 4096, 1024
-MODES = ("whole", "whole_compiled", "chunked_torch_ops", "chunked")
+MODES = ("whole", "whole_compiled", "chunked_torch_ops", "chunked", "whole_compiled_then_fused_adamw",
+         "chunked_update_fused")  # fmt: skip
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-5, (0.9, 0.95), 1e-8, 0.1
 
 
-def _loss_and_gradients(mode: str):
+def head_inputs(tokens: int, vocabulary: int, width: int, device) -> dict:
+    """bf16 hidden states, head weight and AdamW states (bf16), labels with every 7th ignored."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(tokens, width, device=device, generator=generator).bfloat16().requires_grad_()
+    weight = (torch.randn(vocabulary, width, device=device, generator=generator) / width**0.5).bfloat16()
+    labels = torch.randint(0, vocabulary, (tokens,), device=device, generator=generator)
+    labels[::7] = -100
+    states = [torch.zeros_like(weight), torch.zeros_like(weight)]
+    return {"hidden": hidden, "weight": weight.requires_grad_(), "labels": labels, "states": states,
+            "step": torch.tensor(0.0, device=device)}  # fmt: skip
+
+
+def runner(mode: str, lr: float = LR):
+    """The mode as a function of :func:`head_inputs`' dict: one forward and backward, and for the
+    last two modes the head's AdamW step too, at ``lr``. Returns the loss."""
     from forge_compile import head_loss  # noqa: F401  (torch.ops.forge.linear_cross_entropy)
 
-    def whole(hidden, weight, labels):
-        loss = F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=-100)
-        return (loss, *torch.autograd.grad(loss, [hidden, weight]))
+    def whole_loss(hidden, weight, labels):
+        return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=-100)
 
-    def chunked(hidden, weight, labels):
-        loss, _ = torch.ops.forge.linear_cross_entropy(hidden, weight, labels, -100, "mean")
-        return (loss, *torch.autograd.grad(loss, [hidden, weight]))
+    def whole(i):
+        loss = whole_loss(i["hidden"], i["weight"], i["labels"])
+        torch.autograd.grad(loss, [i["hidden"], i["weight"]])
+        return loss
 
-    if mode == "whole":
-        return whole
-    if mode == "whole_compiled":
-        return torch.compile(whole)
-    return chunked
+    compiled_loss = torch.compile(whole_loss)
+
+    def whole_compiled_gradients(i):
+        loss = compiled_loss(i["hidden"], i["weight"], i["labels"])
+        return loss, torch.autograd.grad(loss, [i["hidden"], i["weight"]])
+
+    def whole_compiled(i):
+        return whole_compiled_gradients(i)[0]
+
+    def whole_compiled_then_fused_adamw(i):
+        """What an unfused step does with the head: its whole gradient, then torch's fused AdamW."""
+        loss, (_, grad_weight) = whole_compiled_gradients(i)
+        i["step"] += 1
+        with torch.no_grad():
+            torch._fused_adamw_([i["weight"]], [grad_weight], *([s] for s in i["states"]), [], [i["step"]],
+                                lr=lr, beta1=BETAS[0], beta2=BETAS[1], weight_decay=WEIGHT_DECAY, eps=EPS,
+                                amsgrad=False, maximize=False)  # fmt: skip
+        return loss
+
+    def chunked(i):
+        loss, _ = torch.ops.forge.linear_cross_entropy(i["hidden"], i["weight"], i["labels"], -100, "mean")
+        torch.autograd.grad(loss, [i["hidden"], i["weight"]])
+        return loss
+
+    def chunked_update_fused(i):
+        """What a forge step does with the head: the chunked loss, then its backward with the
+        AdamW update of each chunk's weight rows fused (no weight gradient)."""
+        with torch.no_grad():
+            loss, lse = torch.ops.forge.linear_cross_entropy(i["hidden"], i["weight"], i["labels"], -100, "mean")
+            i["step"] += 1
+            hyperparameters = [torch.tensor(v, dtype=torch.float64, device=loss.device)
+                               for v in (lr, *BETAS, EPS, WEIGHT_DECAY)]  # fmt: skip
+            torch.ops.forge.linear_cross_entropy_backward_update_(
+                torch.ones_like(loss), i["hidden"], i["weight"], i["labels"], lse, -100, "mean", i["states"],
+                i["step"], hyperparameters, "adam", [1, 0, 0, 1])  # fmt: skip
+        return loss
+
+    return {"whole": whole, "whole_compiled": whole_compiled, "chunked_torch_ops": chunked, "chunked": chunked,
+            "whole_compiled_then_fused_adamw": whole_compiled_then_fused_adamw,
+            "chunked_update_fused": chunked_update_fused}[mode]  # fmt: skip
 
 
 def measure(mode: str, tokens: int) -> dict:
     import triton.testing
 
     from forge_compile.config import config
-
-    config.kernel = "torch" if mode == "chunked_torch_ops" else "auto"
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    hidden = torch.randn(tokens, WIDTH, device="cuda", generator=generator).bfloat16().requires_grad_()
-    weight = (torch.randn(VOCABULARY, WIDTH, device="cuda", generator=generator) / WIDTH**0.5).bfloat16()
-    weight.requires_grad_()
-    labels = torch.randint(0, VOCABULARY, (tokens,), device="cuda", generator=generator)
-    labels[::7] = -100
-    run = _loss_and_gradients(mode)
-    loss, grad_hidden, grad_weight = run(hidden, weight, labels)  # compiles, tunes
-    torch.cuda.synchronize()
-    del grad_hidden, grad_weight
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    run(hidden, weight, labels)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    ms = triton.testing.do_bench(lambda: run(hidden, weight, labels), warmup=5, rep=200, return_mode="median")
     from forge_compile.head_loss import chunk_columns
 
+    config.kernel = "torch" if mode == "chunked_torch_ops" else "auto"
+    inputs = head_inputs(tokens, VOCABULARY, WIDTH, "cuda")
+    run = runner(mode)
+    loss = run(inputs)  # compiles, tunes
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run(inputs)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    ms = triton.testing.do_bench(lambda: run(inputs), warmup=5, rep=200, return_mode="median")
     columns = chunk_columns(VOCABULARY) if mode.startswith("chunked") else None
     return {"mode": mode, "tokens": tokens, "chunk_columns": columns, "ms_median": ms, "peak_above_inputs_bytes": peak,
             "loss": loss.item()}  # fmt: skip

@@ -232,6 +232,8 @@ HEAD_LOSS_MODES = {
     "whole_compiled": "whole logits, torch.compile",
     "chunked_torch_ops": "chunked, point-wise work as torch ops",
     "chunked": "chunked, forge's one-pass Triton kernels",
+    "whole_compiled_then_fused_adamw": "whole logits, torch.compile, then torch's fused AdamW on the head",
+    "chunked_update_fused": "chunked, each chunk's AdamW update fused (a forge step's head)",
 }
 
 
@@ -251,10 +253,11 @@ def head_loss_section() -> list[str]:
             continue
         env = data["environment"]
         lines += [f"**The head and its loss alone** (Llama-3.1-8B's head, {data['vocabulary']} x {data['width']}, bf16; "
-                  f"loss, hidden and weight gradients, the weight's whole as an unfused head returns it; {env['gpu']}, "
+                  f"loss, hidden and weight gradients, the weight's whole as an unfused head returns it, or the head's "
+                  f"AdamW update where the mode says so; {env['gpu']}, "
                   f"torch {env['torch']}, triton {env['triton']}, {env['date'][:10]}; `{env['command']}`; raw data: "
                   f"`benchmarks/results/{name}.json`). Time is the median of forward + backward; memory is the peak "
-                  "above the inputs, the 0.98 GiB weight gradient included.", "",
+                  "above the inputs, the weight gradient included where there is one (0.98 GiB).", "",
                   "| tokens | mode | chunk columns | time | peak above the inputs |", "|---|---|---|---|---|"]  # fmt: skip
         for case in data["cases"]:
             columns = case.get("chunk_columns", _chunk_columns_before_they_were_recorded(case)) or "-"

@@ -308,3 +308,30 @@ def test_step_buffers_replays_the_triton_wrapper_of_a_tiny_llama():
     assert any("(16, 8192)" in alive for alive in whole["alive_at_peak"]), whole
     assert not any("8192)" in alive for alive in chunked["alive_at_peak"]), chunked
     assert chunked["peak_bytes"] < whole["peak_bytes"] / 3, (chunked, whole)
+
+
+def test_head_loss_modes_compute_the_same_loss_and_update_on_a_tiny_head(monkeypatch):
+    """benchmarks/head_loss.py's modes on the CPU, small: every mode's loss is
+    cross-entropy's, and the forge step's head update (fused, by chunks) moves the weight
+    and states as torch's fused AdamW does from the whole gradient."""
+    from benchmarks import head_loss
+    from forge_compile.config import config
+
+    monkeypatch.setattr(config, "head_chunk_columns", 128)
+    tokens, vocabulary, width = 24, 300, 32
+    expected = None
+    updated = {}
+    for mode in head_loss.MODES:
+        if mode == "chunked_torch_ops":
+            continue  # the CPU's chunked path is already the torch ops
+        inputs = head_loss.head_inputs(tokens, vocabulary, width, "cpu")
+        loss = head_loss.runner(mode, lr=1e-2)(inputs)  # bf16 weights: a step lr 1e-5 would round away
+        expected = loss if expected is None else expected
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+        if "adamw" in mode or "update" in mode:
+            updated[mode] = [inputs["weight"].detach().float(), *(s.float() for s in inputs["states"])]
+    fused, reference = updated["chunked_update_fused"], updated["whole_compiled_then_fused_adamw"]
+    assert (fused[0] != head_loss.head_inputs(tokens, vocabulary, width, "cpu")["weight"].float()).float().mean() > 0.5
+    for actual, wanted in zip(fused, reference):
+        differing = (actual - wanted).abs() > 1e-2 * wanted.abs().amax()
+        assert differing.float().mean() < 0.01, f"{int(differing.sum())} of {differing.numel()} elements differ"
