@@ -39,21 +39,25 @@ MODES = ("whole", "whole_compiled", "chunked_torch_ops", "chunked", "whole_compi
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-5, (0.9, 0.95), 1e-8, 0.1
 
 
-def head_inputs(tokens: int, vocabulary: int, width: int, device) -> dict:
-    """bf16 hidden states, head weight and AdamW states (bf16), labels with every 7th ignored."""
+def head_inputs(tokens: int, vocabulary: int, width: int, device, lr: float = LR) -> dict:
+    """bf16 hidden states, head weight and AdamW states (bf16), labels with every 7th ignored,
+    and AdamW's hyperparameters at ``lr``, as a float and as the fused op's fp64 tensors
+    (made here once: a tensor made from a Python number in a timed run copies it to the GPU
+    there)."""
     generator = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(tokens, width, device=device, generator=generator).bfloat16().requires_grad_()
     weight = (torch.randn(vocabulary, width, device=device, generator=generator) / width**0.5).bfloat16()
     labels = torch.randint(0, vocabulary, (tokens,), device=device, generator=generator)
     labels[::7] = -100
     states = [torch.zeros_like(weight), torch.zeros_like(weight)]
+    hyperparameters = [torch.tensor(v, dtype=torch.float64, device=device) for v in (lr, *BETAS, EPS, WEIGHT_DECAY)]
     return {"hidden": hidden, "weight": weight.requires_grad_(), "labels": labels, "states": states,
-            "step": torch.tensor(0.0, device=device)}  # fmt: skip
+            "step": torch.tensor(0.0, device=device), "lr": lr, "hyperparameters": hyperparameters}  # fmt: skip
 
 
-def runner(mode: str, lr: float = LR):
+def runner(mode: str):
     """The mode as a function of :func:`head_inputs`' dict: one forward and backward, and for the
-    last two modes the head's AdamW step too, at ``lr``. Returns the loss."""
+    last two modes the head's AdamW step too. Returns the loss."""
     from forge_compile import head_loss  # noqa: F401  (torch.ops.forge.linear_cross_entropy)
 
     def whole_loss(hidden, weight, labels):
@@ -79,7 +83,7 @@ def runner(mode: str, lr: float = LR):
         i["step"] += 1
         with torch.no_grad():
             torch._fused_adamw_([i["weight"]], [grad_weight], *([s] for s in i["states"]), [], [i["step"]],
-                                lr=lr, beta1=BETAS[0], beta2=BETAS[1], weight_decay=WEIGHT_DECAY, eps=EPS,
+                                lr=i["lr"], beta1=BETAS[0], beta2=BETAS[1], weight_decay=WEIGHT_DECAY, eps=EPS,
                                 amsgrad=False, maximize=False)  # fmt: skip
         return loss
 
@@ -94,11 +98,9 @@ def runner(mode: str, lr: float = LR):
         with torch.no_grad():
             loss, lse = torch.ops.forge.linear_cross_entropy(i["hidden"], i["weight"], i["labels"], -100, "mean")
             i["step"] += 1
-            hyperparameters = [torch.tensor(v, dtype=torch.float64, device=loss.device)
-                               for v in (lr, *BETAS, EPS, WEIGHT_DECAY)]  # fmt: skip
             torch.ops.forge.linear_cross_entropy_backward_update_(
                 torch.ones_like(loss), i["hidden"], i["weight"], i["labels"], lse, -100, "mean", i["states"],
-                i["step"], hyperparameters, "adam", [1, 0, 0, 1])  # fmt: skip
+                i["step"], i["hyperparameters"], "adam", [1, 0, 0, 1])  # fmt: skip
         return loss
 
     return {"whole": whole, "whole_compiled": whole_compiled, "chunked_torch_ops": chunked, "chunked": chunked,

@@ -324,8 +324,8 @@ def test_head_loss_modes_compute_the_same_loss_and_update_on_a_tiny_head(monkeyp
     for mode in head_loss.MODES:
         if mode == "chunked_torch_ops":
             continue  # the CPU's chunked path is already the torch ops
-        inputs = head_loss.head_inputs(tokens, vocabulary, width, "cpu")
-        loss = head_loss.runner(mode, lr=1e-2)(inputs)  # bf16 weights: a step lr 1e-5 would round away
+        inputs = head_loss.head_inputs(tokens, vocabulary, width, "cpu", lr=1e-2)  # bf16: lr 1e-5 would round away
+        loss = head_loss.runner(mode)(inputs)
         expected = loss if expected is None else expected
         torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
         if "adamw" in mode or "update" in mode:
