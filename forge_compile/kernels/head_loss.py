@@ -67,9 +67,13 @@ def _logits_gradient_kernel(logits_ptr, stride_row, labels_ptr, lse_ptr, row_sca
     tl.store(pointers, gradient.to(x.dtype), mask=inside)
 
 
-def _check_rows(logits: torch.Tensor) -> None:
+def _check_layout(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    """The kernels read a row's logits at unit stride and its label at ``labels[row]``: the
+    caller makes ``labels`` contiguous once for all its chunks."""
     if logits.stride(1) != 1:
         raise ValueError(f"forge: a chunk of logits must have contiguous rows, got strides {logits.stride()}")
+    if not labels.is_contiguous():
+        raise ValueError(f"forge: the labels must be contiguous, got strides {labels.stride()}")
 
 
 def fold_chunk_(logits: torch.Tensor, labels: torch.Tensor, running_max: torch.Tensor, running_sum: torch.Tensor,
@@ -80,8 +84,8 @@ def fold_chunk_(logits: torch.Tensor, labels: torch.Tensor, running_max: torch.T
     rows, columns = logits.shape
     if rows == 0:
         return
-    _check_rows(logits)
-    _fold_chunk_kernel[(rows,)](logits, logits.stride(0), labels.contiguous(), running_max, running_sum, target, first, columns,
+    _check_layout(logits, labels)
+    _fold_chunk_kernel[(rows,)](logits, logits.stride(0), labels, running_max, running_sum, target, first, columns,
                                 ignore_index, BLOCK=_BLOCK_COLUMNS)  # fmt: skip
 
 
@@ -91,8 +95,8 @@ def logits_gradient_(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tens
     with ``(softmax - one_hot(labels)) * row_scale`` in their dtype, and returned."""
     rows, columns = logits.shape
     if rows and columns:
-        _check_rows(logits)
+        _check_layout(logits, labels)
         grid = (rows, triton.cdiv(columns, _BLOCK_COLUMNS))
-        _logits_gradient_kernel[grid](logits, logits.stride(0), labels.contiguous(), lse, row_scale, first, columns,
+        _logits_gradient_kernel[grid](logits, logits.stride(0), labels, lse, row_scale, first, columns,
                                       BLOCK=_BLOCK_COLUMNS)  # fmt: skip
     return logits
