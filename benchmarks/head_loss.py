@@ -15,7 +15,8 @@ Llama-3.1-8B's head (128256 x 4096, bf16) at micro-batch x 1024 tokens, on one G
 
 Each mode: median CUDA-event time of forward + backward (the first four return the weight's
 gradient whole, as an unfused head's backward does; the last two also update the weight),
-and the peak memory above the inputs. The chunked modes run one more head matmul (the
+the peak memory above the inputs, and the GPU time of its kernels by name (torch.profiler
+over a few runs): where a mode's time goes, the chunked modes' against the whole logits'. The chunked modes run one more head matmul (the
 backward computes the logits again).
 
     PYTHONPATH=. python benchmarks/head_loss.py [--batches 1,4]   # writes results/head_loss.json (_h100 on an H100)
@@ -108,6 +109,29 @@ def runner(mode: str):
             "chunked_update_fused": chunked_update_fused}[mode]  # fmt: skip
 
 
+PROFILED = 3
+
+
+def gpu_ms_by_kernel(run, inputs, top: int = 10) -> dict:
+    """GPU milliseconds per run of the ``top`` kernels by time, and of all kernels together
+    (``"all kernels"``), from torch.profiler over :data:`PROFILED` runs."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED):
+            run(inputs)
+        torch.cuda.synchronize()
+    by_kernel = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            microseconds = getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0)
+            by_kernel[event.name[:100]] += microseconds / 1e3 / PROFILED
+    ranked = dict(sorted(by_kernel.items(), key=lambda item: -item[1])[:top])
+    return {"all kernels": sum(by_kernel.values()), **ranked}
+
+
 def measure(mode: str, tokens: int) -> dict:
     import triton.testing
 
@@ -125,9 +149,10 @@ def measure(mode: str, tokens: int) -> dict:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     ms = triton.testing.do_bench(lambda: run(inputs), warmup=5, rep=200, return_mode="median")
+    kernels = gpu_ms_by_kernel(run, inputs)
     columns = chunk_columns(VOCABULARY) if mode.startswith("chunked") else None
     return {"mode": mode, "tokens": tokens, "chunk_columns": columns, "ms_median": ms, "peak_above_inputs_bytes": peak,
-            "loss": loss.item()}  # fmt: skip
+            "loss": loss.item(), "gpu_ms_by_kernel": kernels}  # fmt: skip
 
 
 def main() -> int:
@@ -141,7 +166,8 @@ def main() -> int:
             case = measure(mode, batch * SEQ)
             cases.append(case)
             print(f"{mode:>18} {case['tokens']:>6} tokens {case['ms_median']:8.3f} ms "
-                  f"{case['peak_above_inputs_bytes'] / 2**30:6.3f} GiB loss {case['loss']:.5f}", flush=True)  # fmt: skip
+                  f"{case['peak_above_inputs_bytes'] / 2**30:6.3f} GiB loss {case['loss']:.5f} "
+                  f"kernels {case['gpu_ms_by_kernel']['all kernels']:8.3f} ms", flush=True)  # fmt: skip
     write_result(for_this_card("head_loss"), {"vocabulary": VOCABULARY, "width": WIDTH, "cases": cases})
     return 0
 
