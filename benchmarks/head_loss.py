@@ -19,7 +19,8 @@ the peak memory above the inputs, and the GPU time of its kernels by name (torch
 over a few runs): where a mode's time goes, the chunked modes' against the whole logits'. The chunked modes run one more head matmul (the
 backward computes the logits again).
 
-    PYTHONPATH=. python benchmarks/head_loss.py [--batches 1,4]   # writes results/head_loss.json (_h100 on an H100)
+    PYTHONPATH=. python benchmarks/head_loss.py [--batches 1,4] [--columns 2048,4096,8192]
+    # writes results/head_loss.json (_h100 on an H100)
 """
 
 from __future__ import annotations
@@ -132,13 +133,15 @@ def gpu_ms_by_kernel(run, inputs, top: int = 10) -> dict:
     return {"all kernels": sum(by_kernel.values()), **ranked}
 
 
-def measure(mode: str, tokens: int) -> dict:
+def measure(mode: str, tokens: int, columns: int | None = None) -> dict:
+    """One mode at ``tokens``; a chunked mode in chunks of ``columns`` (None: forge's policy)."""
     import triton.testing
 
     from forge_compile.config import config
     from forge_compile.head_loss import chunk_columns
 
     config.kernel = "torch" if mode == "chunked_torch_ops" else "auto"
+    config.head_chunk_columns = columns or 0
     inputs = head_inputs(tokens, VOCABULARY, WIDTH, "cuda")
     run = runner(mode)
     loss = run(inputs)  # compiles, tunes
@@ -159,13 +162,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,4", help="micro-batches of 1024 tokens")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--columns", default="",
+                        help="chunk widths to run the chunked modes at, comma-separated (default: forge's policy)")
     args = parser.parse_args()
+    widths = [int(c) for c in args.columns.split(",") if c] or [None]
     cases = []
     for batch in (int(b) for b in args.batches.split(",")):
-        for mode in args.modes.split(","):
-            case = measure(mode, batch * SEQ)
+        for mode, columns in ((m, c) for m in args.modes.split(",") for c in (widths if m.startswith("chunked") else [None])):
+            case = measure(mode, batch * SEQ, columns)
             cases.append(case)
-            print(f"{mode:>18} {case['tokens']:>6} tokens {case['ms_median']:8.3f} ms "
+            print(f"{mode:>18} {case['chunk_columns'] or '':>6} {case['tokens']:>6} tokens {case['ms_median']:8.3f} ms "
                   f"{case['peak_above_inputs_bytes'] / 2**30:6.3f} GiB loss {case['loss']:.5f} "
                   f"kernels {case['gpu_ms_by_kernel']['all kernels']:8.3f} ms", flush=True)  # fmt: skip
     write_result(for_this_card("head_loss"), {"vocabulary": VOCABULARY, "width": WIDTH, "cases": cases})

@@ -257,12 +257,16 @@ def head_loss_section() -> list[str]:
                   f"AdamW update where the mode says so; {env['gpu']}, "
                   f"torch {env['torch']}, triton {env['triton']}, {env['date'][:10]}; `{env['command']}`; raw data: "
                   f"`benchmarks/results/{name}.json`). Time is the median of forward + backward; memory is the peak "
-                  "above the inputs, the weight gradient included where there is one (0.98 GiB).", "",
-                  "| tokens | mode | chunk columns | time | peak above the inputs |", "|---|---|---|---|---|"]  # fmt: skip
+                  "above the inputs, the weight gradient included where there is one (0.98 GiB); kernel time is "
+                  "the GPU time of its kernels (torch.profiler, not recorded before 2026-12-08).", "",
+                  "| tokens | mode | chunk columns | time | kernel time | peak above the inputs |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
         for case in data["cases"]:
             columns = case.get("chunk_columns", _chunk_columns_before_they_were_recorded(case)) or "-"
+            kernels = case.get("gpu_ms_by_kernel", {}).get("all kernels")
+            kernel_time = f"{kernels:.2f} ms" if kernels is not None else "-"
             lines.append(f"| {case['tokens']} | {HEAD_LOSS_MODES[case['mode']]} | {columns} | {case['ms_median']:.2f} ms | "
-                         f"{case['peak_above_inputs_bytes'] / 2**30:.3f} GiB |")  # fmt: skip
+                         f"{kernel_time} | {case['peak_above_inputs_bytes'] / 2**30:.3f} GiB |")  # fmt: skip
         lines.append("")
     return lines[:-1]
 
