@@ -1,6 +1,8 @@
 """The head and its cross-entropy alone, forward and backward: whole against chunked, side by side.
 
-Llama-3.1-8B's head (128256 x 4096, bf16) at micro-batch x 1024 tokens, on one GPU:
+Llama-3.1-8B's head (128256 x 4096, bf16; ``--heads`` adds Qwen3-0.6B's, 151936 x 1024,
+where a chunk of the same columns holds a quarter of the matmul work) at micro-batch x 1024
+tokens, on one GPU:
 
 * ``whole``: ``F.cross_entropy(F.linear(h, W).float(), labels)`` and autograd (eager), the
   logits and their gradient whole;
@@ -35,7 +37,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.utils import for_this_card, write_result
 
-VOCABULARY, WIDTH, SEQ = 128256, 4096, 1024
+HEADS = {"llama-8b": (128256, 4096), "qwen3-0.6b": (151936, 1024)}  # vocabulary, width
+SEQ = 1024
 MODES = ("whole", "whole_compiled", "chunked_torch_ops", "chunked", "whole_compiled_then_fused_adamw",
          "chunked_update_fused")  # fmt: skip
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-5, (0.9, 0.95), 1e-8, 0.1
@@ -133,8 +136,9 @@ def gpu_ms_by_kernel(run, inputs, top: int = 10) -> dict:
     return {"all kernels": sum(by_kernel.values()), **ranked}
 
 
-def measure(mode: str, tokens: int, columns: int | None = None) -> dict:
-    """One mode at ``tokens``; a chunked mode in chunks of ``columns`` (None: forge's policy)."""
+def measure(mode: str, tokens: int, columns: int | None = None, head: str = "llama-8b") -> dict:
+    """One mode at ``tokens`` on ``head``'s shape; a chunked mode in chunks of ``columns``
+    (None: forge's policy)."""
     import triton.testing
 
     from forge_compile.config import config
@@ -142,7 +146,8 @@ def measure(mode: str, tokens: int, columns: int | None = None) -> dict:
 
     config.kernel = "torch" if mode == "chunked_torch_ops" else "auto"
     config.head_chunk_columns = columns or 0
-    inputs = head_inputs(tokens, VOCABULARY, WIDTH, "cuda")
+    vocabulary, width = HEADS[head]
+    inputs = head_inputs(tokens, vocabulary, width, "cuda")
     run = runner(mode)
     loss = run(inputs)  # compiles, tunes
     torch.cuda.synchronize()
@@ -153,13 +158,15 @@ def measure(mode: str, tokens: int, columns: int | None = None) -> dict:
     peak = torch.cuda.max_memory_allocated() - before
     ms = triton.testing.do_bench(lambda: run(inputs), warmup=5, rep=200, return_mode="median")
     kernels = gpu_ms_by_kernel(run, inputs)
-    columns = chunk_columns(VOCABULARY) if mode.startswith("chunked") else None
-    return {"mode": mode, "tokens": tokens, "chunk_columns": columns, "ms_median": ms, "peak_above_inputs_bytes": peak,
-            "loss": loss.item(), "gpu_ms_by_kernel": kernels}  # fmt: skip
+    columns = chunk_columns(vocabulary) if mode.startswith("chunked") else None
+    return {"head": head, "vocabulary": vocabulary, "width": width, "mode": mode, "tokens": tokens,
+            "chunk_columns": columns, "ms_median": ms, "peak_above_inputs_bytes": peak, "loss": loss.item(),
+            "gpu_ms_by_kernel": kernels}  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", default="llama-8b", help=f"comma-separated, of {', '.join(HEADS)}")
     parser.add_argument("--batches", default="1,4", help="micro-batches of 1024 tokens")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--columns", default="",
@@ -167,14 +174,15 @@ def main() -> int:
     args = parser.parse_args()
     widths = [int(c) for c in args.columns.split(",") if c] or [None]
     cases = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        for mode, columns in ((m, c) for m in args.modes.split(",") for c in (widths if m.startswith("chunked") else [None])):
-            case = measure(mode, batch * SEQ, columns)
-            cases.append(case)
-            print(f"{mode:>18} {case['chunk_columns'] or '':>6} {case['tokens']:>6} tokens {case['ms_median']:8.3f} ms "
-                  f"{case['peak_above_inputs_bytes'] / 2**30:6.3f} GiB loss {case['loss']:.5f} "
-                  f"kernels {case['gpu_ms_by_kernel']['all kernels']:8.3f} ms", flush=True)  # fmt: skip
-    write_result(for_this_card("head_loss"), {"vocabulary": VOCABULARY, "width": WIDTH, "cases": cases})
+    runs = [(head, batch, mode, columns) for head in args.heads.split(",") for batch in map(int, args.batches.split(","))
+            for mode in args.modes.split(",") for columns in (widths if mode.startswith("chunked") else [None])]  # fmt: skip
+    for head, batch, mode, columns in runs:
+        case = measure(mode, batch * SEQ, columns, head)
+        cases.append(case)
+        print(f"{head:>10} {mode:>30} {case['chunk_columns'] or '':>6} {case['tokens']:>6} tokens {case['ms_median']:8.3f} ms "
+              f"{case['peak_above_inputs_bytes'] / 2**30:6.3f} GiB loss {case['loss']:.5f} "
+              f"kernels {case['gpu_ms_by_kernel']['all kernels']:8.3f} ms", flush=True)  # fmt: skip
+    write_result(for_this_card("head_loss"), {"cases": cases})
     return 0
 
 

@@ -252,20 +252,23 @@ def head_loss_section() -> list[str]:
         if data is None:
             continue
         env = data["environment"]
-        lines += [f"**The head and its loss alone** (Llama-3.1-8B's head, {data['vocabulary']} x {data['width']}, bf16; "
+        lines += ["**The head and its loss alone** (bf16 heads, vocabulary x width: Llama-3.1-8B's 128256 x 4096, "
+                  "Qwen3-0.6B's 151936 x 1024; "
                   f"loss, hidden and weight gradients, the weight's whole as an unfused head returns it, or the head's "
                   f"AdamW update where the mode says so; {env['gpu']}, "
                   f"torch {env['torch']}, triton {env['triton']}, {env['date'][:10]}; `{env['command']}`; raw data: "
                   f"`benchmarks/results/{name}.json`). Time is the median of forward + backward; memory is the peak "
-                  "above the inputs, the weight gradient included where there is one (0.98 GiB); kernel time is "
-                  "the GPU time of its kernels (torch.profiler, not recorded before 2026-12-08).", "",
-                  "| tokens | mode | chunk columns | time | kernel time | peak above the inputs |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+                  "above the inputs, the weight gradient included where there is one (0.98 GiB for Llama-3.1-8B's "
+                  "head, 0.29 GiB for Qwen3-0.6B's); kernel time is the GPU time of its kernels (torch.profiler, not "
+                  "recorded before 2026-12-08).", "",
+                  "| head | tokens | mode | chunk columns | time | kernel time | peak above the inputs |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
         for case in data["cases"]:
+            head = case.get("head", "llama-8b")  # files before --heads held Llama-3.1-8B's head only
             columns = case.get("chunk_columns", _chunk_columns_before_they_were_recorded(case)) or "-"
             kernels = case.get("gpu_ms_by_kernel", {}).get("all kernels")
             kernel_time = f"{kernels:.2f} ms" if kernels is not None else "-"
-            lines.append(f"| {case['tokens']} | {HEAD_LOSS_MODES[case['mode']]} | {columns} | {case['ms_median']:.2f} ms | "
+            lines.append(f"| {head} | {case['tokens']} | {HEAD_LOSS_MODES[case['mode']]} | {columns} | {case['ms_median']:.2f} ms | "
                          f"{kernel_time} | {case['peak_above_inputs_bytes'] / 2**30:.3f} GiB |")  # fmt: skip
         lines.append("")
     return lines[:-1]
