@@ -4,6 +4,7 @@ benchmarks/tensor_parallel.py on two gloo ranks."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -335,3 +336,17 @@ def test_head_loss_modes_compute_the_same_loss_and_update_on_a_tiny_head(monkeyp
     for actual, wanted in zip(fused, reference):
         differing = (actual - wanted).abs() > 1e-2 * wanted.abs().amax()
         assert differing.float().mean() < 0.01, f"{int(differing.sum())} of {differing.numel()} elements differ"
+
+
+def test_warp_specialized_launch_path_runs_without_a_gpu():
+    """launch_overhead.py --warp-specialized times the Hopper kernel's launch path with the
+    compiled kernel and the card's queries stubbed: a query the path gains must be stubbed too."""
+    from forge_compile.kernels import linear_update_hopper
+
+    if not linear_update_hopper.AVAILABLE:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "launch_overhead.py"
+    result = subprocess.run([sys.executable, str(script), "--warp-specialized"], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"warp-specialised launch path: [\d.]+ us per call", result.stdout), result.stdout
