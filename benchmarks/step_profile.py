@@ -9,6 +9,10 @@ Inductor's fused kernels, embedding backward, copies, the rest), and the step ti
 GPU waited for the host.
 
     PYTHONPATH=. python benchmarks/step_profile.py --model llama-8b --layers 4 --modes forge,inductor
+
+Writes results/step_profile.json (step_profile_h100.json on an H100, and so on): a case
+measured again replaces its old one, the file's other cases stay, each with its own run's
+environment.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.step import build, optimizer_step, timed_ms  # noqa: E402
-from benchmarks.utils import for_this_card, run_in_subprocess, write_result  # noqa: E402
+from benchmarks.utils import RESULTS, environment, for_this_card, run_in_subprocess, write_result  # noqa: E402
 
 KINDS = [  # (kind, pattern on the kernel name), first match wins
     ("forge fused dW + update", r"_fused_linear_update_kernel|_hopper_linear_update_kernel"),
@@ -91,17 +95,27 @@ def main() -> int:
     if args.worker:
         print(json.dumps(worker(args.model, args.worker, args.layers, args.batch, args.seq)))
         return 0
+    name = for_this_card("step_profile")
+    # Cases of other models, depths or sizes stay in the file; a case measured again replaces its old one.
+    key = ("model", "layers", "batch", "seq", "mode")
+    try:
+        earlier = json.loads((RESULTS / f"{name}.json").read_text())["cases"]
+    except (OSError, ValueError, KeyError):
+        earlier = []
     results = []
     for mode in args.modes.split(","):
         common = ["--model", args.model, "--layers", str(args.layers), "--batch", str(args.batch), "--seq", str(args.seq)]
         try:
             result = run_in_subprocess("benchmarks.step_profile", [*common, "--worker", mode], timeout=540)
         except Exception as error:  # recorded; the other modes go on
-            result = {"mode": mode, "status": "failed", "error": str(error)[-2000:]}
-        results.append(result)
+            result = {"model": args.model, "layers": args.layers, "batch": args.batch, "seq": args.seq, "mode": mode,
+                      "status": "failed", "error": str(error)[-2000:]}  # fmt: skip
+        results.append({**result, "environment": environment()})  # a kept case keeps its own run's
         print(json.dumps({k: result.get(k) for k in ("mode", "step_ms", "kernel_ms", "gpu_idle_ms", "ms_by_kind")}),
               flush=True)  # fmt: skip
-        write_result(for_this_card("step_profile"), {"cases": results})
+        measured = {tuple(case.get(k) for k in key) for case in results}
+        kept = [case for case in earlier if tuple(case.get(k) for k in key) not in measured]
+        write_result(name, {"cases": kept + results})
     return 0
 
 

@@ -350,3 +350,26 @@ def test_warp_specialized_launch_path_runs_without_a_gpu():
                             timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"warp-specialised launch path: [\d.]+ us per call", result.stdout), result.stdout
+
+
+def test_step_profile_keeps_the_cases_of_other_models_and_replaces_its_own(tmp_path, monkeypatch):
+    from benchmarks import step_profile, utils
+
+    monkeypatch.setattr(step_profile, "RESULTS", tmp_path)
+    monkeypatch.setattr(utils, "RESULTS", tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    earlier = [{"model": "llama-8b", "layers": 4, "batch": 1, "seq": 1024, "mode": "forge", "step_ms": 28.0},
+               {"model": "qwen3-0.6b", "layers": 4, "batch": 1, "seq": 1024, "mode": "forge", "step_ms": 12.0}]  # fmt: skip
+    (tmp_path / "step_profile.json").write_text(json.dumps({"cases": earlier}))
+
+    def measured(module, arguments, timeout):
+        model = arguments[arguments.index("--model") + 1]
+        return {"model": model, "layers": 4, "batch": 1, "seq": 1024, "mode": arguments[-1], "step_ms": 9.0}
+
+    monkeypatch.setattr(step_profile, "run_in_subprocess", measured)
+    monkeypatch.setattr(sys, "argv", ["step_profile.py", "--model", "qwen3-0.6b", "--modes", "forge,inductor"])
+    assert step_profile.main() == 0
+    cases = json.loads((tmp_path / "step_profile.json").read_text())["cases"]
+    by_key = {(c["model"], c["mode"]): c["step_ms"] for c in cases}
+    assert by_key == {("llama-8b", "forge"): 28.0, ("qwen3-0.6b", "forge"): 9.0, ("qwen3-0.6b", "inductor"): 9.0}
+    assert all("environment" in c for c in cases if c["model"] == "qwen3-0.6b")
