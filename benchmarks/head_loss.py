@@ -182,7 +182,7 @@ def main() -> int:
         print(f"{head:>10} {mode:>30} {case['chunk_columns'] or '':>6} {case['tokens']:>6} tokens {case['ms_median']:8.3f} ms "
               f"{case['peak_above_inputs_bytes'] / 2**30:6.3f} GiB loss {case['loss']:.5f} "
               f"kernels {case['gpu_ms_by_kernel']['all kernels']:8.3f} ms", flush=True)  # fmt: skip
-    write_result(for_this_card("head_loss"), {"cases": cases})
+        write_result(for_this_card("head_loss"), {"cases": cases})  # after each case: a run cut off keeps its cases
     return 0
 
 
