@@ -260,16 +260,21 @@ def head_loss_section() -> list[str]:
                   f"`benchmarks/results/{name}.json`). Time is the median of forward + backward; memory is the peak "
                   "above the inputs, the weight gradient included where there is one (0.98 GiB for Llama-3.1-8B's "
                   "head, 0.29 GiB for Qwen3-0.6B's); kernel time is the GPU time of its kernels (torch.profiler, not "
-                  "recorded before 2026-12-08).", "",
-                  "| head | tokens | mode | chunk columns | time | kernel time | peak above the inputs |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "recorded before 2026-12-08); the ratio is the time over the whole logits compiled's at the same "
+                  "head and tokens, with torch's fused AdamW for the modes that update the head.", "",
+                  "| head | tokens | mode | chunk columns | time | ratio | kernel time | peak above the inputs |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        times = {(c.get("head", "llama-8b"), c["tokens"], c["mode"]): c["ms_median"] for c in data["cases"]}
         for case in data["cases"]:
             head = case.get("head", "llama-8b")  # files before --heads held Llama-3.1-8B's head only
+            updates = case["mode"] in ("whole_compiled_then_fused_adamw", "chunked_update_fused")
+            reference = times.get((head, case["tokens"], "whole_compiled_then_fused_adamw" if updates else "whole_compiled"))
+            ratio = f"{case['ms_median'] / reference:.2f}x" if reference else "-"
             columns = case.get("chunk_columns", _chunk_columns_before_they_were_recorded(case)) or "-"
             kernels = case.get("gpu_ms_by_kernel", {}).get("all kernels")
             kernel_time = f"{kernels:.2f} ms" if kernels is not None else "-"
             lines.append(f"| {head} | {case['tokens']} | {HEAD_LOSS_MODES[case['mode']]} | {columns} | {case['ms_median']:.2f} ms | "
-                         f"{kernel_time} | {case['peak_above_inputs_bytes'] / 2**30:.3f} GiB |")  # fmt: skip
+                         f"{ratio} | {kernel_time} | {case['peak_above_inputs_bytes'] / 2**30:.3f} GiB |")  # fmt: skip
         lines.append("")
     return lines[:-1]
 
