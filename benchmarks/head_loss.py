@@ -176,7 +176,11 @@ def main() -> int:
     cases = []
     runs = [(head, batch, mode, columns) for head in args.heads.split(",") for batch in map(int, args.batches.split(","))
             for mode in args.modes.split(",") for columns in (widths if mode.startswith("chunked") else [None])]  # fmt: skip
-    for head, batch, mode, columns in runs:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the progress bar is optional
+        tqdm = lambda x, **_: x  # noqa: E731
+    for head, batch, mode, columns in tqdm(runs, desc="head loss", file=sys.stdout, mininterval=10):
         case = measure(mode, batch * SEQ, columns, head)
         cases.append(case)
         print(f"{head:>10} {mode:>30} {case['chunk_columns'] or '':>6} {case['tokens']:>6} tokens {case['ms_median']:8.3f} ms "
