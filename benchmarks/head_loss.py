@@ -18,8 +18,8 @@ tokens, on one GPU:
 Each mode: median CUDA-event time of forward + backward (the first four return the weight's
 gradient whole, as an unfused head's backward does; the last two also update the weight),
 the peak memory above the inputs, and the GPU time of its kernels by name (torch.profiler
-over a few runs): where a mode's time goes, the chunked modes' against the whole logits'. The chunked modes run one more head matmul (the
-backward computes the logits again).
+over a few runs): where a mode's time goes, the chunked modes' against the whole logits'.
+The chunked modes run one more head matmul (the backward computes the logits again).
 
     PYTHONPATH=. python benchmarks/head_loss.py [--batches 1,4] [--columns 2048,4096,8192]
     # writes results/head_loss.json (_h100 on an H100)
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.utils import for_this_card, write_result
+from benchmarks.utils import for_this_card, gpu_ms_by_kernel, write_result
 
 HEADS = {"llama-8b": (128256, 4096), "qwen3-0.6b": (151936, 1024)}  # vocabulary, width
 SEQ = 1024
@@ -116,7 +116,7 @@ def runner(mode: str):
 PROFILED = 3
 
 
-def gpu_ms_by_kernel(run, inputs, top: int = 10) -> dict:
+def kernel_ms(run, inputs, top: int = 10) -> dict:
     """GPU milliseconds per run of the ``top`` kernels by time, and of all kernels together
     (``"all kernels"``), from torch.profiler over :data:`PROFILED` runs."""
     from collections import defaultdict
@@ -128,10 +128,8 @@ def gpu_ms_by_kernel(run, inputs, top: int = 10) -> dict:
             run(inputs)
         torch.cuda.synchronize()
     by_kernel = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            microseconds = getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0)
-            by_kernel[event.name[:100]] += microseconds / 1e3 / PROFILED
+    for name, ms in gpu_ms_by_kernel(prof, PROFILED).items():
+        by_kernel[name[:100]] += ms
     ranked = dict(sorted(by_kernel.items(), key=lambda item: -item[1])[:top])
     return {"all kernels": sum(by_kernel.values()), **ranked}
 
@@ -157,7 +155,7 @@ def measure(mode: str, tokens: int, columns: int | None = None, head: str = "lla
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     ms = triton.testing.do_bench(lambda: run(inputs), warmup=5, rep=200, return_mode="median")
-    kernels = gpu_ms_by_kernel(run, inputs)
+    kernels = kernel_ms(run, inputs)
     columns = chunk_columns(vocabulary) if mode.startswith("chunked") else None
     return {"head": head, "vocabulary": vocabulary, "width": width, "mode": mode, "tokens": tokens,
             "chunk_columns": columns, "ms_median": ms, "peak_above_inputs_bytes": peak, "loss": loss.item(),

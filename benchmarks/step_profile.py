@@ -29,7 +29,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.step import build, optimizer_step, timed_ms  # noqa: E402
-from benchmarks.utils import RESULTS, environment, for_this_card, run_in_subprocess, write_result  # noqa: E402
+from benchmarks.utils import (  # noqa: E402
+    RESULTS,
+    environment,
+    for_this_card,
+    gpu_ms_by_kernel,
+    run_in_subprocess,
+    write_result,
+)
 
 KINDS = [  # (kind, pattern on the kernel name), first match wins
     ("forge fused dW + update", r"_fused_linear_update_kernel|_hopper_linear_update_kernel"),
@@ -69,12 +76,9 @@ def worker(model_name: str, mode: str, layers: int, batch: int, seq: int) -> dic
             step(batches[i % 2])
         torch.cuda.synchronize()
     by_kind, by_kernel = defaultdict(float), defaultdict(float)
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        microseconds = getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0)
-        by_kind[kind_of(event.name)] += microseconds / 1e3 / PROFILED
-        by_kernel[event.name[:120]] += microseconds / 1e3 / PROFILED
+    for name, ms in gpu_ms_by_kernel(prof, PROFILED).items():
+        by_kind[kind_of(name)] += ms
+        by_kernel[name[:120]] += ms
     kernel_ms = sum(by_kind.values())
     top = sorted(by_kernel.items(), key=lambda item: -item[1])[:25]
     return {"model": model_name, "layers": layers, "mode": mode, "batch": batch, "seq": seq, "step_ms": step_ms,

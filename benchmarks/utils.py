@@ -72,6 +72,19 @@ def write_result(name: str, payload: dict, out_dir: str | None = None) -> Path:
     return paths[0]
 
 
+def gpu_ms_by_kernel(prof, runs: int) -> dict[str, float]:
+    """GPU milliseconds per run of each kernel, by its full name, in a ``torch.profiler``
+    trace (CUDA activity) of ``runs`` runs."""
+    from collections import defaultdict
+
+    by_kernel = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            microseconds = getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0)
+            by_kernel[event.name] += microseconds / 1e3 / runs
+    return dict(by_kernel)
+
+
 def run_in_subprocess(module: str, args: list[str], timeout: float = 900) -> dict:
     """Run ``python -m module args`` in a fresh process; it prints one JSON line last."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")

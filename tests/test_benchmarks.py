@@ -373,3 +373,19 @@ def test_step_profile_keeps_the_cases_of_other_models_and_replaces_its_own(tmp_p
     by_key = {(c["model"], c["mode"]): c["step_ms"] for c in cases}
     assert by_key == {("llama-8b", "forge"): 28.0, ("qwen3-0.6b", "forge"): 9.0, ("qwen3-0.6b", "inductor"): 9.0}
     assert all("environment" in c for c in cases if c["model"] == "qwen3-0.6b")
+
+
+def test_gpu_ms_by_kernel_sums_each_kernels_device_time_per_run():
+    """The profiler aggregation that step_profile.py and head_loss.py share: CUDA events only,
+    each kernel's time summed over the runs and divided by them, microseconds to ms."""
+    from types import SimpleNamespace
+
+    from benchmarks.utils import gpu_ms_by_kernel
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(name="gemm", device_type=cuda, device_time=300.0),
+              SimpleNamespace(name="gemm", device_type=cuda, device_time=500.0),
+              SimpleNamespace(name="fold", device_type=cuda, device_time=100.0),
+              SimpleNamespace(name="aten::mm", device_type=cpu, device_time=9000.0)]  # fmt: skip
+    trace = SimpleNamespace(events=lambda: events)
+    assert gpu_ms_by_kernel(trace, runs=2) == pytest.approx({"gemm": 0.4, "fold": 0.05})
